@@ -1,0 +1,24 @@
+# Every target sets up what it needs on a fresh machine (Debian 12/13) and skips what is there.
+# PYTHON=... picks the interpreter to install into (default: python3 on PATH).
+PYTHON ?= python3
+export PYTHON
+
+.PHONY: build deps test demo bench clean
+
+deps:
+	bash scripts/install_deps.sh
+
+build: deps
+	bash scripts/build.sh
+
+test: build
+	$(PYTHON) -m pytest tests
+
+demo: build
+	$(PYTHON) examples/quickstart.py
+
+bench: build
+	$(PYTHON) benchmarks/run_all.py
+
+clean:
+	rm -rf build dtorch_ops/*.so *.egg-info .pytest_cache

@@ -1,0 +1,91 @@
+#include "completion_poller.h"
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+#include <utility>
+
+namespace dtorch::core {
+
+CompletionPoller& CompletionPoller::Instance() {
+  // Leaked on purpose: detached poller threads may outlive static destruction.
+  static CompletionPoller* poller = new CompletionPoller();
+  return *poller;
+}
+
+void CompletionPoller::Submit(const std::string& key,
+                              std::unique_ptr<PendingCompletion> completion) {
+  bool start_thread = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Queue& queue = queues_[key];
+    queue.items.push_back(std::move(completion));
+    ++pending_;
+    if (!queue.has_thread) {
+      queue.has_thread = true;
+      ++threads_;
+      start_thread = true;
+    }
+  }
+  if (start_thread) {
+    std::thread([this, key] { Run(key); }).detach();
+  } else {
+    work_cv_.notify_all();
+  }
+}
+
+void CompletionPoller::Run(const std::string& key) {
+  using std::chrono::microseconds;
+  constexpr microseconds kMinBackoff{20};
+  constexpr microseconds kMaxBackoff{1000};
+  for (;;) {
+    std::unique_ptr<PendingCompletion> head;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto idle_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kIdleExitMs);
+      // Map references stay valid while other keys come and go; only this thread erases `key`.
+      Queue& queue = queues_[key];
+      while (queue.items.empty()) {
+        if (work_cv_.wait_until(lock, idle_deadline) == std::cv_status::timeout &&
+            queue.items.empty()) {
+          queues_.erase(key);
+          --threads_;
+          return;
+        }
+      }
+      head = std::move(queue.items.front());
+      queue.items.pop_front();
+    }
+    // Only this thread takes items of this key, so the head stays the oldest while it is polled.
+    std::exception_ptr error;
+    microseconds backoff = kMinBackoff;
+    for (;;) {
+      try {
+        if (head->Poll()) break;
+      } catch (...) {
+        error = std::current_exception();
+        break;
+      }
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, kMaxBackoff);
+    }
+    head->Complete(error);
+    head.reset();  // release the tensor/event before counting the completion as done
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --pending_;
+    }
+  }
+}
+
+size_t CompletionPoller::ThreadCount() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return threads_;
+}
+
+size_t CompletionPoller::PendingCount() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_;
+}
+
+}  // namespace dtorch::core

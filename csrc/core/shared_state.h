@@ -1,0 +1,160 @@
+// SharedState<T>: the one-shot rendezvous between a promise and its future (torch-free).
+//
+// Semantics follow std::promise/std::future:
+//   - exactly one completion (a value or an error); a second one throws
+//     FutureError(kPromiseAlreadySatisfied) *before* anything changes, so the first value is kept;
+//   - Take() blocks until completion and consumes: afterwards Valid() is false and another Take()
+//     throws FutureError(kNoState). An error is consumed the same way (it is thrown once);
+//   - WaitFor(timeout) never consumes and leaves the state valid when it times out.
+//
+// Completion callbacks (OnReady) let a waiter be woken without a thread per future: each runs
+// exactly once, after completion, outside the lock, on the completing thread (or at once on the
+// registering thread when the state is already complete). A callback that throws is ignored so
+// it cannot break the producer.
+//
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "future_error.h"
+
+namespace dtorch::core {
+
+template <typename T>
+class SharedState {
+ public:
+  using Callback = std::function<void()>;
+
+  SharedState() = default;
+  SharedState(const SharedState&) = delete;
+  SharedState& operator=(const SharedState&) = delete;
+
+  // Completes with a value. Throws kPromiseAlreadySatisfied if already complete.
+  void SetValue(T value) {
+    std::vector<Callback> callbacks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ThrowIfCompleteLocked();
+      value_.emplace(std::move(value));
+      ready_ = true;
+      callbacks.swap(callbacks_);
+    }
+    cv_.notify_all();
+    RunCallbacks(callbacks);
+  }
+
+  // Completes with an error. Throws kPromiseAlreadySatisfied if already complete.
+  void SetError(FutureErrc code, std::string detail) {
+    if (!TrySetError(code, std::move(detail))) {
+      throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
+                        "the promise already holds a value or an exception");
+    }
+  }
+
+  // Completes with an error unless already complete; returns whether it did. Used to break a
+  // promise on destruction, which must never throw.
+  bool TrySetError(FutureErrc code, std::string detail) noexcept {
+    std::vector<Callback> callbacks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (ready_) return false;
+      error_code_ = code;
+      error_detail_ = std::move(detail);
+      ready_ = true;
+      callbacks.swap(callbacks_);
+    }
+    cv_.notify_all();
+    RunCallbacks(callbacks);
+    return true;
+  }
+
+  // Blocks until complete, then consumes the value (or throws the stored error, consuming it).
+  T Take() {
+    std::unique_lock<std::mutex> lock(mu_);
+    ThrowIfRetrievedLocked();
+    cv_.wait(lock, [this] { return ready_; });
+    return TakeLocked();
+  }
+
+  // Blocks for up to timeout_ms (0 = poll); returns whether the state is complete. Never consumes.
+  bool WaitFor(int64_t timeout_ms) const {
+    std::unique_lock<std::mutex> lock(mu_);
+    ThrowIfRetrievedLocked();
+    return cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [this] { return ready_; });
+  }
+
+  bool IsReady() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ready_ && !retrieved_;
+  }
+
+  bool Valid() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !retrieved_;
+  }
+
+  // Runs `callback` once the state is complete (at once, here, if it already is).
+  void OnReady(Callback callback) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!ready_) {
+        callbacks_.push_back(std::move(callback));
+        return;
+      }
+    }
+    RunCallbacks({std::move(callback)});
+  }
+
+ private:
+  void ThrowIfCompleteLocked() const {
+    if (ready_) {
+      throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
+                        "the promise already holds a value or an exception");
+    }
+  }
+
+  void ThrowIfRetrievedLocked() const {
+    if (retrieved_) {
+      throw FutureError(FutureErrc::kNoState,
+                        "get() was already called on this future; a future yields its value once");
+    }
+  }
+
+  T TakeLocked() {
+    retrieved_ = true;
+    if (error_code_) throw FutureError(*error_code_, error_detail_);
+    T value = std::move(*value_);
+    value_.reset();  // drop our reference: the caller owns the value now
+    return value;
+  }
+
+  static void RunCallbacks(const std::vector<Callback>& callbacks) noexcept {
+    for (const auto& callback : callbacks) {
+      try {
+        callback();
+      } catch (...) {
+        // A waiter's callback must not break the producer; the state is already complete.
+      }
+    }
+  }
+
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  bool ready_ = false;                     // guarded by mu_
+  bool retrieved_ = false;                 // guarded by mu_
+  std::optional<T> value_;                 // guarded by mu_
+  std::optional<FutureErrc> error_code_;   // guarded by mu_
+  std::string error_detail_;               // guarded by mu_
+  std::vector<Callback> callbacks_;        // guarded by mu_
+};
+
+}  // namespace dtorch::core

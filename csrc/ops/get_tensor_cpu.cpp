@@ -1,0 +1,10 @@
+#include "get_tensor.h"
+
+namespace dtorch::kernels {
+
+void get_tensor_cpu(const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise) {
+  TORCH_CHECK(promise, "dtorch: get_tensor needs a TensorPromise, got None");
+  promise->SetValue(input);
+}
+
+}  // namespace dtorch::kernels

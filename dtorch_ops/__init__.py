@@ -1,0 +1,63 @@
+"""dtorch_ops: asynchronous tensor values for PyTorch.
+
+``to_torch_async(t)`` returns a future at once; its value arrives when the device work that
+produces ``t`` has finished (an event on ``t``'s current stream), without blocking Python and
+without synchronising the device. In-process futures alias the input tensor: no copy is made.
+
+Raw ops and classes (TorchScript, C++, torch.compile):
+``torch.ops.dtorch.get_tensor_async``, ``torch.ops.dtorch.get_tensor``,
+``torch.classes.dtorch.TensorFuture``, ``torch.classes.dtorch.TensorPromise``.
+"""
+import os as _os
+
+import torch as _torch
+
+
+def _load_native_library():
+    try:
+        from . import _C  # noqa: F401  (its import loads libdtorch_ops.so and registers the ops)
+    except (ImportError, OSError) as e:
+        raise ImportError(
+            "dtorch_ops: the compiled library could not be loaded "
+            f"({type(e).__name__}: {e}). It is built against one torch and must be rebuilt for "
+            f"another: this Python imports torch {_torch.__version__} from "
+            f"{_os.path.dirname(_torch.__file__)}. Build it with `make build` (or "
+            "`pip install --no-build-isolation -e .`) in the dtorch_ops checkout."
+        ) from e
+
+
+_load_native_library()
+
+from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
+from .config import config  # noqa: E402
+from .futures import (  # noqa: E402
+    TensorFuture,
+    TensorPromise,
+    get_tensor,
+    promise_kind_for,
+    to_torch,
+    to_torch_async,
+)
+
+
+def library_path() -> str:
+    """Path of libdtorch_ops.so, for C++ programs (link it, or torch::ops::load_library)."""
+    return _os.path.join(_os.path.dirname(__file__), "libdtorch_ops.so")
+
+
+def include_path() -> str:
+    """Directory holding the C++ headers (``#include <dtorch_ops/dtorch_ops.h>``)."""
+    return _os.path.join(_os.path.dirname(__file__), "include")
+
+
+__all__ = [
+    "TensorFuture",
+    "TensorPromise",
+    "config",
+    "get_tensor",
+    "include_path",
+    "library_path",
+    "promise_kind_for",
+    "to_torch",
+    "to_torch_async",
+]

@@ -1,0 +1,112 @@
+"""Fake classes and fake kernels: how torch.compile / torch.export see dtorch's classes and ops.
+
+While tracing, script objects become FakeScriptObjects built from ``__obj_flatten__`` (the kind
+only, so Dynamo guards on the kind and does not recompile per object) and ops run these Python
+fake kernels. The C++ library names this module (``set_python_module``) so that torch asks for it
+when the ops are used without ``import dtorch_ops``.
+"""
+import importlib.abc
+import importlib.util
+import sys
+
+import torch
+from torch._library.fake_class_registry import FakeScriptObject
+
+_FUTURE_QUALNAME = "__torch__.torch.classes.dtorch.TensorFuture"
+
+
+def _unflatten(cls, flattened):
+    return cls(**dict(flattened))
+
+
+@torch._library.register_fake_class("dtorch::TensorFuture")
+class FakeTensorFuture:
+    def __init__(self, kind: str):
+        self._kind = kind
+
+    __obj_unflatten__ = classmethod(_unflatten)
+
+    def kind(self) -> str:
+        return self._kind
+
+    def _no_value(self, *args):
+        raise RuntimeError(
+            "dtorch: a TensorFuture has no value while it is being traced; wait on it outside "
+            "the compiled region"
+        )
+
+    get = wait = wait_for = is_ready = valid = _no_value
+
+
+@torch._library.register_fake_class("dtorch::TensorPromise")
+class FakeTensorPromise:
+    def __init__(self, kind: str):
+        self._kind = kind
+
+    __obj_unflatten__ = classmethod(_unflatten)
+
+    def kind(self) -> str:
+        return self._kind
+
+    def _not_traceable(self, *args):
+        raise RuntimeError(
+            "dtorch: TensorPromise methods cannot run inside a traced graph; call "
+            "torch.ops.dtorch.get_tensor(t, promise) there instead"
+        )
+
+    set_value = set_exception = get_future = serialize = _not_traceable
+
+
+@torch.library.register_fake("dtorch::get_tensor")
+def _get_tensor_fake(input, promise):
+    return None
+
+
+@torch.library.register_fake("dtorch::get_tensor_async")
+def _get_tensor_async_fake(input):
+    return FakeScriptObject(FakeTensorFuture("memory"), _FUTURE_QUALNAME, None)
+
+
+def _reject_dtensor(cls, func, types, args=(), kwargs=None):
+    raise TypeError(
+        f"dtorch: {func} expects a local tensor, got a DTensor: pass t.to_local() "
+        "(or t.full_tensor()) instead"
+    )
+
+
+def _register_dtensor_rules(dtensor_module) -> None:
+    for op in ("dtorch::get_tensor", "dtorch::get_tensor_async"):
+        torch.library.register_torch_dispatch(op, dtensor_module.DTensor, _reject_dtensor)
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers the DTensor rules when torch.distributed.tensor is first imported.
+
+    Importing it eagerly would add ~0.6 s to ``import dtorch_ops``; a DTensor cannot exist before
+    that module is imported, so registering then is early enough.
+    """
+
+    _NAME = "torch.distributed.tensor"
+
+    def find_spec(self, name, path, target=None):
+        if name != self._NAME:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register_dtensor_rules(module)
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+if torch.distributed.is_available():
+    if _RegisterOnImport._NAME in sys.modules:
+        _register_dtensor_rules(sys.modules[_RegisterOnImport._NAME])
+    else:
+        sys.meta_path.insert(0, _RegisterOnImport())

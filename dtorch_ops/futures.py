@@ -1,0 +1,214 @@
+"""The Python API: future/promise wrappers over the raw script objects, and the ops' entry points."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .config import config
+
+_FUTURE_QUALNAME = "__torch__.torch.classes.dtorch.TensorFuture"
+_PROMISE_QUALNAME = "__torch__.torch.classes.dtorch.TensorPromise"
+
+# A blocking get() waits in slices of this length so that Python signal handlers (Ctrl-C) still
+# run; each slice is one wait in C++ with the GIL released, so waiting costs no CPU.
+_GET_SLICE_MS = 100
+
+
+def _qualname(obj) -> str | None:
+    if isinstance(obj, torch.ScriptObject):
+        return obj._type().qualified_name()
+    return None
+
+
+def _check_local_tensor(t, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"dtorch_ops.{what} expects a torch.Tensor, got {type(t).__name__}")
+    if _is_dtensor(t):
+        raise TypeError(
+            f"dtorch_ops.{what} expects a local tensor, got a DTensor: pass t.to_local() "
+            "(or t.full_tensor()) instead"
+        )
+
+
+def _is_dtensor(t) -> bool:
+    # No DTensor can exist before its module is imported; importing it here would cost ~0.6 s.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+class TensorFuture:
+    """The consumer's end of a tensor promise/future pair.
+
+    Wraps the raw ``torch.classes.dtorch.TensorFuture`` that the ops return:
+    ``TensorFuture(torch.ops.dtorch.get_tensor_async(x))``. ``get()`` consumes the future
+    (``valid()`` is False afterwards), like ``std::future``. Blocking calls release the GIL.
+    Thread-safe.
+    """
+
+    def __init__(self, raw):
+        if isinstance(raw, TensorFuture):
+            raw = raw._raw
+        if _qualname(raw) != _FUTURE_QUALNAME:
+            raise TypeError(
+                "dtorch_ops.TensorFuture wraps a torch.classes.dtorch.TensorFuture (the result of "
+                f"torch.ops.dtorch.get_tensor_async), got {type(raw).__name__}"
+            )
+        self._raw = raw
+
+    @property
+    def raw(self):
+        """The underlying script object (for TorchScript and torch.ops calls)."""
+        return self._raw
+
+    def get(self) -> torch.Tensor:
+        """Blocks until the value is ready and returns it; consumes the future."""
+        while not self._raw.wait_for(_GET_SLICE_MS):
+            pass
+        return self._raw.get()
+
+    def wait(self, timeout_ms: int) -> torch.Tensor:
+        """Returns the value like get() if it is ready within timeout_ms.
+
+        Raises TimeoutError otherwise; the future stays valid and can be waited on again.
+        """
+        timeout_ms = int(timeout_ms)
+        if timeout_ms < 0:
+            raise ValueError(f"timeout_ms must be >= 0, got {timeout_ms}")
+        if not self._raw.wait_for(timeout_ms):
+            raise TimeoutError(
+                f"dtorch: the tensor was not ready within {timeout_ms} ms; the future is still "
+                "valid, wait again"
+            )
+        return self._raw.get()
+
+    def is_ready(self) -> bool:
+        """True when get() would not block (a value or an error is there). Never blocks."""
+        return self._raw.is_ready()
+
+    def valid(self) -> bool:
+        """False once get() or wait() has taken the value."""
+        return self._raw.valid()
+
+    def kind(self) -> str:
+        return self._raw.kind()
+
+    def __reduce__(self):
+        raise TypeError(
+            "dtorch: a TensorFuture cannot be pickled; send the promise to the producer instead"
+        )
+
+    def __repr__(self) -> str:
+        if not self._raw.valid():
+            state = "consumed"
+        else:
+            state = "ready" if self._raw.is_ready() else "pending"
+        return f"dtorch_ops.TensorFuture(kind={self._raw.kind()!r}, {state})"
+
+
+class TensorPromise:
+    """The producer's end: ``set_value(t)`` once, or ``set_exception(message)``.
+
+    ``kind="memory"`` pairs live in one process. Destroying a promise without setting it makes
+    its future fail with "broken promise". Thread-safe.
+    """
+
+    def __init__(self, kind: str = "memory"):
+        if _qualname(kind) == _PROMISE_QUALNAME:  # wrap an existing raw promise
+            self._raw = kind
+            return
+        if not isinstance(kind, str):
+            raise TypeError(f"kind must be a str ('memory', 'file', 'network'), got {kind!r}")
+        self._raw = torch.classes.dtorch.TensorPromise(kind)
+
+    @classmethod
+    def for_tensor(cls, t: torch.Tensor, per_device_per_process: bool | None = None):
+        """A promise of the kind promise_kind_for(t) advises."""
+        return cls(promise_kind_for(t, per_device_per_process))
+
+    @classmethod
+    def from_serialized(cls, s: str) -> "TensorPromise":
+        """Rebuilds a promise that another process serialized (kinds that cross processes)."""
+        if not isinstance(s, str):
+            raise TypeError(f"from_serialized expects the str from serialize(), got {type(s).__name__}")
+        raise ValueError(
+            f"dtorch: cannot restore a TensorPromise from {s[:80]!r}: no promise kind that crosses "
+            "processes is available in this build (memory promises cannot leave the process)"
+        )
+
+    @property
+    def raw(self):
+        """The underlying script object (for TorchScript and torch.ops calls)."""
+        return self._raw
+
+    def get_future(self) -> TensorFuture:
+        """The consumer's end; a promise has exactly one future."""
+        return TensorFuture(self._raw.get_future())
+
+    def set_value(self, t: torch.Tensor) -> None:
+        """Fulfils the promise with t (no copy). A second set raises; the first value stays."""
+        _check_local_tensor(t, "TensorPromise.set_value")
+        self._raw.set_value(t)
+
+    def set_exception(self, message: str) -> None:
+        """Fails the future: its get()/wait() raise an error carrying message."""
+        self._raw.set_exception(str(message))
+
+    def kind(self) -> str:
+        return self._raw.kind()
+
+    def serialize(self) -> str:
+        """A string another process can pass to from_serialized; memory promises raise."""
+        return self._raw.serialize()
+
+    def __reduce__(self):
+        return (TensorPromise.from_serialized, (self.serialize(),))
+
+    def __repr__(self) -> str:
+        return f"dtorch_ops.TensorPromise(kind={self._raw.kind()!r})"
+
+
+def _raw_promise(promise):
+    if isinstance(promise, TensorPromise):
+        return promise._raw
+    if _qualname(promise) == _PROMISE_QUALNAME:
+        return promise
+    raise TypeError(
+        "dtorch_ops.get_tensor expects a dtorch_ops.TensorPromise (or a raw "
+        f"torch.classes.dtorch.TensorPromise), got {type(promise).__name__}"
+    )
+
+
+def get_tensor(t: torch.Tensor, promise) -> None:
+    """Fulfils promise with t once the work producing t on its current stream is done.
+
+    Returns at once. Usable inside torch.compile'd code with a promise created outside.
+    """
+    _check_local_tensor(t, "get_tensor")
+    torch.ops.dtorch.get_tensor(t, _raw_promise(promise))
+
+
+def to_torch_async(t: torch.Tensor) -> TensorFuture:
+    """Returns at once a future that yields t (aliased, no copy) when the work producing it is done."""
+    _check_local_tensor(t, "to_torch_async")
+    return TensorFuture(torch.ops.dtorch.get_tensor_async(t))
+
+
+def to_torch(t: torch.Tensor) -> torch.Tensor:
+    """The blocking form: to_torch_async(t).get()."""
+    return to_torch_async(t).get()
+
+
+def promise_kind_for(t: torch.Tensor, per_device_per_process: bool | None = None) -> str:
+    """The promise kind for a pair whose promise a worker fulfils with t.
+
+    CPU tensor -> "memory"; device tensor with per_device_per_process -> "file" (one worker
+    process per device); otherwise "memory". per_device_per_process=None takes
+    dtorch_ops.config.per_device_per_process.
+    """
+    _check_local_tensor(t, "promise_kind_for")
+    if per_device_per_process is None:
+        per_device_per_process = config.per_device_per_process
+    if t.device.type == "cpu":
+        return "memory"
+    return "file" if per_device_per_process else "memory"

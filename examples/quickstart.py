@@ -1,0 +1,51 @@
+"""Quick tour of dtorch_ops: futures for tensor values, in eager Python and TorchScript.
+
+Runs on CPU; on a machine with a GPU the same calls return before the device work finishes.
+"""
+import threading
+import time
+
+import torch
+
+import dtorch_ops
+
+
+def main() -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(1024, 1024, device=device)
+    y = x @ x  # queued on the current stream when on a GPU
+
+    t0 = time.perf_counter()
+    fut = dtorch_ops.to_torch_async(y)  # returns at once
+    t_issue = time.perf_counter() - t0
+    value = fut.wait(10_000)  # the value, once the matmul has finished
+    t_value = time.perf_counter() - t0
+    print(f"[{device}] to_torch_async returned in {t_issue * 1e6:.1f} us; "
+          f"value ready after {t_value * 1e3:.2f} ms; aliases y: {value.data_ptr() == y.data_ptr()}")
+
+    # A producer thread fulfils a promise; the consumer blocks without holding the GIL.
+    promise = dtorch_ops.TensorPromise()
+    future = promise.get_future()
+    threading.Thread(target=lambda: (time.sleep(0.01), promise.set_value(torch.ones(3)))).start()
+    print("value from another thread:", future.wait(10_000).tolist())
+
+    # Errors reach the waiter.
+    broken = dtorch_ops.TensorPromise()
+    orphan = broken.get_future()
+    del broken
+    try:
+        orphan.get()
+    except RuntimeError as e:
+        print("dropped promise ->", e)
+
+    # TorchScript: the raw op and the future's methods.
+    @torch.jit.script
+    def scripted(t: torch.Tensor) -> torch.Tensor:
+        f = torch.ops.dtorch.get_tensor_async(t * 2)
+        return f.wait(10000)
+
+    print("scripted:", scripted(torch.arange(3.0)).tolist())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+import threading
+
+import pytest
+import torch
+
+import dtorch_ops  # noqa: F401  (loads the library)
+
+# Every blocking call in the tests is bounded by this (ms); pytest-timeout bounds the rest.
+WAIT_MS = 10_000
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def run_in_thread(fn, *args):
+    """Starts fn(*args) on a daemon thread; returns (thread, result dict with 'value'/'error')."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, result
