@@ -13,6 +13,19 @@ namespace {
 using dtorch::TensorFuture;
 using dtorch::TensorPromise;
 
+// Handles compare equal when they refer to the same object (tracing and opcheck compare inputs).
+template <typename T>
+bool SameObject(const c10::intrusive_ptr<T>& self, const c10::intrusive_ptr<T>& other) {
+  return self.get() == other.get();
+}
+
+// `len(obj)` must raise TypeError, as for any Python object without a length: without a __len__
+// method torch raises NotImplementedError, which breaks torch.library.opcheck's schema check.
+template <typename T>
+int64_t NoLength(const c10::intrusive_ptr<T>& self) {
+  TORCH_CHECK_TYPE(false, "dtorch: a ", T::kClassName, " has no len()");
+}
+
 // __obj_flatten__ for torch.compile/export: constant per kind, so compiled code guards on the kind
 // only and does not recompile for each new promise or future.
 template <typename T>
@@ -37,6 +50,8 @@ TORCH_LIBRARY(dtorch, m) {
       .def("valid", &TensorFuture::Valid)
       .def("kind", [](const c10::intrusive_ptr<TensorFuture>& self) { return self->Kind(); })
       .def("__obj_flatten__", &FlattenKind<TensorFuture>)
+      .def("__eq__", &SameObject<TensorFuture>)
+      .def("__len__", &NoLength<TensorFuture>)
       .def_pickle(
           [](const c10::intrusive_ptr<TensorFuture>& self) -> std::string {
             TORCH_CHECK(false, "dtorch: a TensorFuture cannot be pickled or copied; its value "
@@ -54,6 +69,8 @@ TORCH_LIBRARY(dtorch, m) {
       .def("kind", [](const c10::intrusive_ptr<TensorPromise>& self) { return self->Kind(); })
       .def("serialize", &TensorPromise::Serialize)
       .def("__obj_flatten__", &FlattenKind<TensorPromise>)
+      .def("__eq__", &SameObject<TensorPromise>)
+      .def("__len__", &NoLength<TensorPromise>)
       .def_pickle(
           [](const c10::intrusive_ptr<TensorPromise>& self) { return self->Serialize(); },
           [](std::string state) -> c10::intrusive_ptr<TensorPromise> {

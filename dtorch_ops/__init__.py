@@ -46,8 +46,12 @@ def library_path() -> str:
 
 
 def include_path() -> str:
-    """Directory holding the C++ headers (``#include <dtorch_ops/dtorch_ops.h>``)."""
-    return _os.path.join(_os.path.dirname(__file__), "include")
+    """Directory holding the C++ headers, for ``#include <dtorch_ops.h>``: the checkout's ``csrc``.
+
+    Valid for an editable install (``pip install -e .``), where the package is the checkout's
+    ``dtorch_ops/`` directory.
+    """
+    return _os.path.join(_os.path.dirname(_os.path.dirname(__file__)), "csrc")
 
 
 __all__ = [

@@ -10,9 +10,6 @@ import importlib.util
 import sys
 
 import torch
-from torch._library.fake_class_registry import FakeScriptObject
-
-_FUTURE_QUALNAME = "__torch__.torch.classes.dtorch.TensorFuture"
 
 
 def _unflatten(cls, flattened):
@@ -64,7 +61,17 @@ def _get_tensor_fake(input, promise):
 
 @torch.library.register_fake("dtorch::get_tensor_async")
 def _get_tensor_async_fake(input):
-    return FakeScriptObject(FakeTensorFuture("memory"), _FUTURE_QUALNAME, None)
+    # The op's output must convert to the schema's class type (a FakeScriptObject does not), so
+    # the fake output is a real future that can only report that it came from tracing. On torch
+    # 2.13 Dynamo then graph-breaks at the op and runs it eagerly; capturing it in the graph is
+    # the torch.compile work (see tests/test_compile.py).
+    promise = torch.classes.dtorch.TensorPromise("memory")
+    future = promise.get_future()
+    promise.set_exception(
+        "this TensorFuture came from dtorch::get_tensor_async's fake kernel (tracing) and holds "
+        "no value"
+    )
+    return future
 
 
 def _reject_dtensor(cls, func, types, args=(), kwargs=None):

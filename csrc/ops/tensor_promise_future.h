@@ -31,6 +31,7 @@ using TensorPromiseBackend = core::PromiseBackend<at::Tensor>;
 
 class TensorFuture : public torch::CustomClassHolder {
  public:
+  static constexpr const char* kClassName = "TensorFuture";
   TensorFuture(std::unique_ptr<TensorFutureBackend> backend, std::string kind);
 
   // Blocks until the value is ready and returns it; consumes the future (Valid() is false after).
@@ -54,6 +55,7 @@ class TensorFuture : public torch::CustomClassHolder {
 
 class TensorPromise : public torch::CustomClassHolder {
  public:
+  static constexpr const char* kClassName = "TensorPromise";
   // kind: "memory" (same process). Other kinds throw a clear error until they are built.
   explicit TensorPromise(const std::string& kind);
 

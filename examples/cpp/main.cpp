@@ -1,0 +1,117 @@
+// dtorch_ops from C++: futures, promises across threads, and a TorchScript module (saved by
+// Python) whose forward calls torch.ops.dtorch.get_tensor_async. Usage:
+//   dtorch_cpp_example [scripted_module.pt]
+// Prints "cpp example: OK" and returns 0, or reports the first failure and returns 1.
+#include <dtorch_ops.h>
+
+#include <torch/script.h>
+
+#include <chrono>
+#include <iostream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+namespace {
+
+constexpr int64_t kWaitMs = 10'000;  // every blocking wait is bounded
+
+void Check(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error("check failed: " + what);
+}
+
+// Runs fn, expecting a c10::Error whose message contains `needle`.
+template <typename Fn>
+void ExpectError(Fn&& fn, const std::string& needle, const std::string& what) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    Check(msg.find(needle) != std::string::npos,
+          what + ": error \"" + msg + "\" lacks \"" + needle + "\"");
+    return;
+  }
+  throw std::runtime_error("check failed: " + what + ": no c10::Error thrown");
+}
+
+// (a) GetTensorAsync(t)->Get() yields t itself (no copy).
+void FutureAliasesInput() {
+  at::Tensor t = torch::arange(6, torch::kFloat32);
+  auto future = dtorch::GetTensorAsync(t);
+  Check(future->Valid(), "a fresh future is valid");
+  at::Tensor value = future->Get();
+  Check(value.is_same(t) && value.data_ptr() == t.data_ptr(), "the value aliases the input");
+  Check(!future->Valid(), "Get() consumes the future");
+  Check(dtorch::ToTorch(t).is_same(t), "ToTorch(t) aliases t");
+  Check(dtorch::PromiseKindFor(t, false) == "memory", "a CPU tensor gets a memory promise");
+}
+
+// (b) A memory promise fulfilled from another thread; the consumer waits with a timeout.
+void PromiseFromThread() {
+  auto promise = c10::make_intrusive<dtorch::TensorPromise>("memory");
+  auto future = promise->GetFuture();
+  at::Tensor t = torch::ones({2, 3});
+  std::thread producer([promise, t] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    promise->SetValue(t);
+  });
+  at::Tensor value;
+  try {
+    value = future->Wait(kWaitMs);
+  } catch (...) {
+    producer.join();
+    throw;
+  }
+  producer.join();
+  Check(value.is_same(t), "the value set on the producer thread arrives");
+}
+
+// (c) A timed-out Wait throws c10::Error and leaves the future valid.
+void TimeoutKeepsFutureValid() {
+  auto promise = c10::make_intrusive<dtorch::TensorPromise>("memory");
+  auto future = promise->GetFuture();
+  ExpectError([&] { future->Wait(20); }, "timed out", "Wait on an unset promise");
+  Check(future->Valid(), "the future stays valid after a timeout");
+  Check(!future->IsReady(), "not ready before the value is set");
+  at::Tensor t = torch::zeros({1});
+  promise->SetValue(t);
+  Check(future->WaitFor(kWaitMs) && future->IsReady(), "ready once set");
+  Check(future->Wait(kWaitMs).is_same(t), "waiting again yields the value");
+}
+
+// (d) A promise dropped without a value breaks its future.
+void DroppedPromiseBreaks() {
+  auto promise = c10::make_intrusive<dtorch::TensorPromise>("memory");
+  auto future = promise->GetFuture();
+  promise.reset();
+  ExpectError([&] { future->Wait(kWaitMs); }, "broken promise", "Wait after the promise died");
+}
+
+// (e) A TorchScript module saved by Python that calls torch.ops.dtorch.* loads and runs.
+void RunScriptedModule(const std::string& path) {
+  torch::jit::Module module = torch::jit::load(path);
+  at::Tensor x = torch::arange(4, torch::kFloat32);
+  at::Tensor y = module.forward({x}).toTensor();
+  std::cout << "scripted module " << path << ": forward(" << x << ") =\n" << y << "\n";
+  Check(y.equal(x * 2), "the scripted module returns x * 2");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    FutureAliasesInput();
+    PromiseFromThread();
+    TimeoutKeepsFutureValid();
+    DroppedPromiseBreaks();
+    if (argc > 1) RunScriptedModule(argv[1]);
+  } catch (const c10::Error& e) {
+    std::cerr << "cpp example: FAILED: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "cpp example: FAILED: " << e.what() << "\n";
+    return 1;
+  }
+  std::cout << "cpp example: OK\n";
+  return 0;
+}
