@@ -1,0 +1,26 @@
+"""Builds and runs the C++ tests of the torch-free core (tests/cpp/test_core.cpp)."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_core_cpp(tmp_path):
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++) on PATH")
+    binary = tmp_path / "test_core"
+    build = subprocess.run(
+        [cxx, "-std=c++20", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-pthread",
+         "-fsanitize=address,undefined", "-I", os.path.join(REPO, "csrc"),
+         os.path.join(REPO, "tests", "cpp", "test_core.cpp"),
+         os.path.join(REPO, "csrc", "core", "completion_poller.cc"), "-o", str(binary)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "core tests: 6 passed" in run.stdout
