@@ -49,6 +49,12 @@ TORCH_LIBRARY(dtorch, m) {
       .def("is_ready", &TensorFuture::IsReady)
       .def("valid", &TensorFuture::Valid)
       .def("kind", [](const c10::intrusive_ptr<TensorFuture>& self) { return self->Kind(); })
+      // A torch Future (typed Any; value None) completed when this one is ready. Never consumes.
+      // dtorch_ops.TensorFuture's `await` hooks it with add_done_callback.
+      .def("when_ready",
+           [](const c10::intrusive_ptr<TensorFuture>& self) -> c10::IValue {
+             return self->WhenReady();
+           })
       .def("__obj_flatten__", &FlattenKind<TensorFuture>)
       .def("__eq__", &SameObject<TensorFuture>)
       .def("__len__", &NoLength<TensorFuture>)

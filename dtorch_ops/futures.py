@@ -1,6 +1,7 @@
 """The Python API: future/promise wrappers over the raw script objects, and the ops' entry points."""
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import torch
@@ -13,6 +14,42 @@ _PROMISE_QUALNAME = "__torch__.torch.classes.dtorch.TensorPromise"
 # A blocking get() waits in slices of this length so that Python signal handlers (Ctrl-C) still
 # run; each slice is one wait in C++ with the GIL released, so waiting costs no CPU.
 _GET_SLICE_MS = 100
+
+# The raw wait's timeout message starts with this (csrc/core/future_error.h: "dtorch: <code>: ").
+_RAW_TIMEOUT_PREFIX = "dtorch: timed out:"
+
+
+def _raw_wait(raw, timeout_ms: int):
+    """raw.wait(timeout_ms): the value, or None on timeout (one call into C++ either way)."""
+    try:
+        return raw.wait(timeout_ms)
+    except RuntimeError as e:
+        if str(e).startswith(_RAW_TIMEOUT_PREFIX):
+            return None
+        raise
+
+
+def _wake(loop, waiter) -> None:
+    """Completion callback (any thread): resolve the asyncio waiter on its loop's thread."""
+
+    def resolve():
+        if not waiter.done():  # the awaiting task may have been cancelled
+            waiter.set_result(None)
+
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:
+        pass  # the loop is closed: nobody awaits any more
+
+
+async def _await_ready(raw) -> None:
+    """Suspends until raw is ready: woken by the completion itself, no polling, no thread."""
+    if raw.is_ready():
+        return
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    raw.when_ready().add_done_callback(lambda _: _wake(loop, waiter))
+    await waiter
 
 
 def _qualname(obj) -> str | None:
@@ -56,6 +93,13 @@ class TensorFuture:
             )
         self._raw = raw
 
+    @classmethod
+    def _wrap(cls, raw) -> "TensorFuture":
+        """Wraps a raw future known to be one (skips the type check on hot paths)."""
+        future = cls.__new__(cls)
+        future._raw = raw
+        return future
+
     @property
     def raw(self):
         """The underlying script object (for TorchScript and torch.ops calls)."""
@@ -63,9 +107,9 @@ class TensorFuture:
 
     def get(self) -> torch.Tensor:
         """Blocks until the value is ready and returns it; consumes the future."""
-        while not self._raw.wait_for(_GET_SLICE_MS):
+        while (value := _raw_wait(self._raw, _GET_SLICE_MS)) is None:
             pass
-        return self._raw.get()
+        return value
 
     def wait(self, timeout_ms: int) -> torch.Tensor:
         """Returns the value like get() if it is ready within timeout_ms.
@@ -75,11 +119,21 @@ class TensorFuture:
         timeout_ms = int(timeout_ms)
         if timeout_ms < 0:
             raise ValueError(f"timeout_ms must be >= 0, got {timeout_ms}")
-        if not self._raw.wait_for(timeout_ms):
+        value = _raw_wait(self._raw, timeout_ms)
+        if value is None:
             raise TimeoutError(
                 f"dtorch: the tensor was not ready within {timeout_ms} ms; the future is still "
                 "valid, wait again"
             )
+        return value
+
+    def __await__(self):
+        """``await future``: suspends the coroutine (not the loop) until the value is ready.
+
+        Woken by the completion itself (no polling). Cancelling the awaiting task leaves the
+        future valid. Errors (exception, broken promise) are raised here.
+        """
+        yield from _await_ready(self._raw).__await__()
         return self._raw.get()
 
     def is_ready(self) -> bool:
@@ -143,7 +197,7 @@ class TensorPromise:
 
     def get_future(self) -> TensorFuture:
         """The consumer's end; a promise has exactly one future."""
-        return TensorFuture(self._raw.get_future())
+        return TensorFuture._wrap(self._raw.get_future())
 
     def set_value(self, t: torch.Tensor) -> None:
         """Fulfils the promise with t (no copy). A second set raises; the first value stays."""
@@ -185,13 +239,13 @@ def get_tensor(t: torch.Tensor, promise) -> None:
     Returns at once. Usable inside torch.compile'd code with a promise created outside.
     """
     _check_local_tensor(t, "get_tensor")
-    torch.ops.dtorch.get_tensor(t, _raw_promise(promise))
+    torch.ops.dtorch.get_tensor.default(t, _raw_promise(promise))
 
 
 def to_torch_async(t: torch.Tensor) -> TensorFuture:
     """Returns at once a future that yields t (aliased, no copy) when the work producing it is done."""
     _check_local_tensor(t, "to_torch_async")
-    return TensorFuture(torch.ops.dtorch.get_tensor_async(t))
+    return TensorFuture._wrap(torch.ops.dtorch.get_tensor_async.default(t))
 
 
 def to_torch(t: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,12 @@ void TensorFuture::OnReady(std::function<void()> callback) {
   backend_->OnReady(std::move(callback));
 }
 
+c10::intrusive_ptr<c10::ivalue::Future> TensorFuture::WhenReady() {
+  auto ready = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+  backend_->OnReady([ready] { ready->markCompleted(c10::IValue()); });
+  return ready;
+}
+
 TensorPromise::TensorPromise(const std::string& kind)
     : kind_(kind), backend_(MakePromiseBackend(kind)) {}
 

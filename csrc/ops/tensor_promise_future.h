@@ -20,6 +20,7 @@
 #include <string>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <torch/custom_class.h>
 
 #include "../core/promise_future.h"
@@ -47,6 +48,9 @@ class TensorFuture : public torch::CustomClassHolder {
   // Runs callback once when the value (or an error) is ready, on the completing thread, or at once
   // if it already is. For event-loop integration; callback must be cheap and must not block.
   void OnReady(std::function<void()> callback);
+  // A torch Future (value None) completed when this future is ready: the bridge to
+  // torch.futures / asyncio (add_done_callback) without a thread per waiter. Never consumes.
+  c10::intrusive_ptr<c10::ivalue::Future> WhenReady();
 
  private:
   const std::unique_ptr<TensorFutureBackend> backend_;
