@@ -10,6 +10,7 @@
 
 namespace {
 
+using dtorch::ReadyNotifier;
 using dtorch::TensorFuture;
 using dtorch::TensorPromise;
 
@@ -39,6 +40,26 @@ TORCH_LIBRARY(dtorch, m) {
   // Python fake classes and fake kernels (torch.compile / export) live in this module.
   m.set_python_module("dtorch_ops._fake");
 
+  // An event loop's wake-up channel: the loop watches fileno() and drain()s posted tokens.
+  m.class_<ReadyNotifier>("ReadyNotifier")
+      .def(torch::init<>())
+      .def("fileno", &ReadyNotifier::FileNo)
+      .def("drain", &ReadyNotifier::Drain)
+      .def("__obj_flatten__",
+           [](const c10::intrusive_ptr<ReadyNotifier>&) {
+             return std::make_tuple(std::make_tuple(std::string("kind"), std::string("eventfd")));
+           })
+      .def("__eq__", &SameObject<ReadyNotifier>)
+      .def("__len__", &NoLength<ReadyNotifier>)
+      .def_pickle(
+          [](const c10::intrusive_ptr<ReadyNotifier>&) -> std::string {
+            TORCH_CHECK(false, "dtorch: a ReadyNotifier belongs to one event loop and cannot be "
+                               "pickled or copied");
+          },
+          [](std::string) -> c10::intrusive_ptr<ReadyNotifier> {
+            TORCH_CHECK(false, "dtorch: a ReadyNotifier cannot be unpickled");
+          });
+
   m.class_<TensorFuture>("TensorFuture")
       // Blocks until ready; returns the tensor and consumes the future.
       .def("get", &TensorFuture::Get)
@@ -49,12 +70,8 @@ TORCH_LIBRARY(dtorch, m) {
       .def("is_ready", &TensorFuture::IsReady)
       .def("valid", &TensorFuture::Valid)
       .def("kind", [](const c10::intrusive_ptr<TensorFuture>& self) { return self->Kind(); })
-      // A torch Future (typed Any; value None) completed when this one is ready. Never consumes.
-      // dtorch_ops.TensorFuture's `await` hooks it with add_done_callback.
-      .def("when_ready",
-           [](const c10::intrusive_ptr<TensorFuture>& self) -> c10::IValue {
-             return self->WhenReady();
-           })
+      // Posts `token` to the notifier once ready (how asyncio awaits it). Does not consume.
+      .def("notify_when_ready", &TensorFuture::NotifyWhenReady)
       .def("__obj_flatten__", &FlattenKind<TensorFuture>)
       .def("__eq__", &SameObject<TensorFuture>)
       .def("__len__", &NoLength<TensorFuture>)

@@ -32,7 +32,7 @@ class FakeTensorFuture:
             "the compiled region"
         )
 
-    get = wait = wait_for = is_ready = valid = _no_value
+    get = wait = wait_for = is_ready = valid = notify_when_ready = _no_value
 
 
 @torch._library.register_fake_class("dtorch::TensorPromise")
@@ -52,6 +52,21 @@ class FakeTensorPromise:
         )
 
     set_value = set_exception = get_future = serialize = _not_traceable
+
+
+@torch._library.register_fake_class("dtorch::ReadyNotifier")
+class FakeReadyNotifier:
+    """An event loop's wake-up channel; it has no business inside a traced graph."""
+
+    def __init__(self, kind: str):
+        self._kind = kind
+
+    __obj_unflatten__ = classmethod(_unflatten)
+
+    def _not_traceable(self, *args):
+        raise RuntimeError("dtorch: a ReadyNotifier cannot be used inside a traced graph")
+
+    fileno = drain = _not_traceable
 
 
 @torch.library.register_fake("dtorch::get_tensor")

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
+import weakref
 
 import torch
 
@@ -29,17 +31,33 @@ def _raw_wait(raw, timeout_ms: int):
         raise
 
 
-def _wake(loop, waiter) -> None:
-    """Completion callback (any thread): resolve the asyncio waiter on its loop's thread."""
+class _LoopWaker:
+    """One per asyncio loop: the loop watches a ReadyNotifier's eventfd; completing futures post
+    their waiter's token to it from whatever thread completes them, without taking the GIL."""
 
-    def resolve():
-        if not waiter.done():  # the awaiting task may have been cancelled
-            waiter.set_result(None)
+    def __init__(self, loop):
+        self.notifier = torch.classes.dtorch.ReadyNotifier()
+        self.waiters = {}  # token -> asyncio.Future; touched only on the loop's thread
+        self._tokens = itertools.count()
+        loop.add_reader(self.notifier.fileno(), self._drain)
 
-    try:
-        loop.call_soon_threadsafe(resolve)
-    except RuntimeError:
-        pass  # the loop is closed: nobody awaits any more
+    def register(self, loop):
+        token = next(self._tokens)
+        waiter = self.waiters[token] = loop.create_future()
+        return token, waiter
+
+    def _drain(self):
+        for token in self.notifier.drain():
+            waiter = self.waiters.pop(token, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+
+# Weakly keyed: a loop that is gone takes its waker (and, once no completion holds it, its
+# eventfd) with it.
+_loop_wakers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def _await_ready(raw) -> None:
@@ -47,9 +65,15 @@ async def _await_ready(raw) -> None:
     if raw.is_ready():
         return
     loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-    raw.when_ready().add_done_callback(lambda _: _wake(loop, waiter))
-    await waiter
+    waker = _loop_wakers.get(loop)
+    if waker is None:
+        waker = _loop_wakers[loop] = _LoopWaker(loop)
+    token, waiter = waker.register(loop)
+    try:
+        raw.notify_when_ready(waker.notifier, token)
+        await waiter
+    finally:
+        waker.waiters.pop(token, None)  # cancelled: a later post of this token is ignored
 
 
 def _qualname(obj) -> str | None:

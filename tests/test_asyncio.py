@@ -1,6 +1,7 @@
 """`await` on dtorch_ops futures: woken by the completion itself, no polling, no threads."""
 import asyncio
 import gc
+import os
 import threading
 import time
 
@@ -184,3 +185,39 @@ def test_raw_results_are_not_awaitable():
 
 async def _await_wrapped(raw):
     return await dtorch_ops.TensorFuture(raw)
+
+
+def test_event_loops_do_not_leak_file_descriptors():
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    async def one_loop():
+        promise = dtorch_ops.TensorPromise()
+        future = promise.get_future()
+        asyncio.get_running_loop().call_later(0.001, promise.set_value, torch.ones(1))
+        return await future
+
+    asyncio.run(one_loop())  # warm up: the first loop may cache fds of its own
+    gc.collect()
+    before = open_fds()
+    for _ in range(50):
+        asyncio.run(one_loop())
+    gc.collect()
+    assert open_fds() - before <= 2
+
+
+def test_one_notifier_serves_many_awaits_in_a_loop():
+    from dtorch_ops import futures
+
+    async def main():
+        promises = [dtorch_ops.TensorPromise() for _ in range(20)]
+        tasks = [asyncio.ensure_future(p.get_future()) for p in promises]
+        await asyncio.sleep(0.01)
+        waker = futures._loop_wakers[asyncio.get_running_loop()]
+        assert len(waker.waiters) == 20
+        for p in reversed(promises):  # completion order differs from await order
+            p.set_value(torch.ones(1))
+        await asyncio.gather(*tasks)
+        return len(waker.waiters)
+
+    assert run(main()) == 0

@@ -65,10 +65,10 @@ void TensorFuture::OnReady(std::function<void()> callback) {
   backend_->OnReady(std::move(callback));
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> TensorFuture::WhenReady() {
-  auto ready = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
-  backend_->OnReady([ready] { ready->markCompleted(c10::IValue()); });
-  return ready;
+void TensorFuture::NotifyWhenReady(const c10::intrusive_ptr<ReadyNotifier>& notifier,
+                                   int64_t token) {
+  TORCH_CHECK(notifier, "dtorch: notify_when_ready needs a ReadyNotifier, got None");
+  backend_->OnReady([core = notifier->core(), token] { core->Post(token); });
 }
 
 TensorPromise::TensorPromise(const std::string& kind)

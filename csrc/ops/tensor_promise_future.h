@@ -18,17 +18,33 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <ATen/core/ivalue.h>
 #include <torch/custom_class.h>
 
 #include "../core/promise_future.h"
+#include "../core/ready_notifier.h"
 
 namespace dtorch {
 
 using TensorFutureBackend = core::FutureBackend<at::Tensor>;
 using TensorPromiseBackend = core::PromiseBackend<at::Tensor>;
+
+// torch.classes.dtorch.ReadyNotifier: an event loop's wake-up channel (see core/ready_notifier.h).
+// One per asyncio loop, created by dtorch_ops; futures post tokens to it when they complete.
+class ReadyNotifier : public torch::CustomClassHolder {
+ public:
+  static constexpr const char* kClassName = "ReadyNotifier";
+  ReadyNotifier() : core_(std::make_shared<core::ReadyNotifier>()) {}
+  int64_t FileNo() const { return core_->fd(); }
+  std::vector<int64_t> Drain() { return core_->Drain(); }
+  // Shared with pending completion callbacks, which keep the eventfd open.
+  const std::shared_ptr<core::ReadyNotifier>& core() const { return core_; }
+
+ private:
+  const std::shared_ptr<core::ReadyNotifier> core_;
+};
 
 class TensorFuture : public torch::CustomClassHolder {
  public:
@@ -48,9 +64,9 @@ class TensorFuture : public torch::CustomClassHolder {
   // Runs callback once when the value (or an error) is ready, on the completing thread, or at once
   // if it already is. For event-loop integration; callback must be cheap and must not block.
   void OnReady(std::function<void()> callback);
-  // A torch Future (value None) completed when this future is ready: the bridge to
-  // torch.futures / asyncio (add_done_callback) without a thread per waiter. Never consumes.
-  c10::intrusive_ptr<c10::ivalue::Future> WhenReady();
+  // Posts `token` to `notifier` once this future is ready (at once if it is): how an event loop
+  // awaits it (dtorch_ops.TensorFuture.__await__). Never consumes.
+  void NotifyWhenReady(const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token);
 
  private:
   const std::unique_ptr<TensorFutureBackend> backend_;

@@ -1,5 +1,6 @@
 // Tests of the torch-free core (csrc/core): promise/future semantics and the completion poller.
 // Built and run by tests/test_core_cpp.py; prints "core tests: N passed" or fails with a message.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -9,8 +10,11 @@
 #include <thread>
 #include <vector>
 
+#include <poll.h>
+
 #include "core/completion_poller.h"
 #include "core/promise_future.h"
+#include "core/ready_notifier.h"
 
 using namespace dtorch::core;
 using namespace std::chrono_literals;
@@ -203,7 +207,45 @@ static void TestPollerBoundedThreadsAndOrder() {
   ++g_passed;
 }
 
+static bool Readable(int fd, int timeout_ms) {
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, timeout_ms) == 1 && (p.revents & POLLIN);
+}
+
+static void TestReadyNotifier() {
+  auto notifier = std::make_shared<ReadyNotifier>();
+  CHECK(!Readable(notifier->fd(), 0));
+  CHECK(notifier->Drain().empty());  // nothing posted: returns at once
+  MemoryPromise<int> promise;
+  auto future = promise.GetFuture();
+  future->OnReady([notifier] { notifier->Post(7); });
+  std::thread producer([&] { promise.SetValue(1); });
+  CHECK(Readable(notifier->fd(), 5000));
+  producer.join();
+  CHECK(notifier->Drain() == std::vector<int64_t>{7});
+  CHECK(!Readable(notifier->fd(), 0));  // drained: not readable until the next post
+  // Many posters: every token arrives exactly once.
+  std::vector<std::thread> posters;
+  for (int t = 0; t < 4; ++t) {
+    posters.emplace_back([&, t] {
+      for (int i = 0; i < 1000; ++i) notifier->Post(t * 1000 + i);
+    });
+  }
+  std::vector<int64_t> seen;
+  while (seen.size() < 4000) {
+    CHECK(Readable(notifier->fd(), 5000));
+    for (int64_t token : notifier->Drain()) seen.push_back(token);
+  }
+  for (auto& p : posters) p.join();
+  for (int64_t token : notifier->Drain()) seen.push_back(token);
+  std::sort(seen.begin(), seen.end());
+  CHECK(seen.size() == 4000);
+  for (int i = 0; i < 4000; ++i) CHECK(seen[i] == i);
+  ++g_passed;
+}
+
 int main() {
+  TestReadyNotifier();
   TestValueAndConsume();
   TestSetTwiceKeepsFirst();
   TestExceptionAndBrokenPromise();

@@ -1,0 +1,96 @@
+"""Cross-thread wake: a producer thread sets the value, a consumer thread blocked in get() wakes.
+
+Python: dtorch_ops promise/future vs threading.Event. C++ (benchmarks/cpp/wake_bench.cpp, built
+here with g++): the core's MemoryPromise vs std::promise. Latency = consumer's resume time minus
+the producer's time just before it sets; medians over many samples, cases interleaved.
+"""
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+
+import torch
+
+import dtorch_ops
+from common import interleaved_medians, ratio_line, report
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def _one_wake(make_pair):
+    """make_pair() -> (block, release); returns the wake latency of one sample in us."""
+    block, release = make_pair()
+    stamp = {}
+
+    def consumer():
+        block()
+        stamp["t1"] = time.perf_counter()
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    time.sleep(0.002)  # let the consumer block
+    t0 = time.perf_counter()
+    release()
+    thread.join(10)
+    return (stamp["t1"] - t0) * 1e6
+
+
+def _dtorch_pair():
+    promise = dtorch_ops.TensorPromise()
+    future = promise.get_future()
+    value = torch.ones(1)
+    return future.get, lambda: promise.set_value(value)
+
+
+def _event_pair():
+    event = threading.Event()
+    return (lambda: event.wait(10)), event.set
+
+
+def _torch_future_pair():
+    future = torch.futures.Future()
+    value = torch.ones(1)
+    return future.wait, lambda: future.set_result(value)
+
+
+def python_wake(samples):
+    cases = {"dtorch promise -> get()": _dtorch_pair, "anchor: threading.Event": _event_pair,
+             "reference: torch.futures.Future": _torch_future_pair}
+    m = interleaved_medians(cases, samples, _one_wake)
+    report(f"cross-thread wake, Python (us; median of {samples} samples)", m, "us")
+    ratio_line("dtorch vs threading.Event", m["dtorch promise -> get()"],
+               m["anchor: threading.Event"], "target <= 1.5x")
+    ratio_line("dtorch vs torch.futures.Future (wait releases the GIL there too)",
+               m["dtorch promise -> get()"], m["reference: torch.futures.Future"], "reference")
+
+
+def cpp_wake(samples):
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        print("\ncross-thread wake, C++: skipped (no g++)")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, "wake_bench")
+        subprocess.run([cxx, "-std=c++20", "-O2", "-pthread", "-I", os.path.join(REPO, "csrc"),
+                        os.path.join(HERE, "cpp", "wake_bench.cpp"), "-o", binary],
+                       check=True, timeout=300)
+        out = subprocess.run([binary, str(samples)], check=True, capture_output=True, text=True,
+                             timeout=300).stdout
+    medians = dict(line.rsplit(" ", 1) for line in out.strip().splitlines())
+    m = {"core MemoryPromise -> Get()": float(medians["memory_promise"]),
+         "anchor: std::promise": float(medians["std_promise"])}
+    report(f"cross-thread wake, C++ (us; median of {samples} samples)", m, "us")
+    ratio_line("core MemoryPromise vs std::promise", m["core MemoryPromise -> Get()"],
+               m["anchor: std::promise"], "target <= 1.5x")
+
+
+def main(samples=300):
+    python_wake(samples)
+    cpp_wake(samples)
+
+
+if __name__ == "__main__":
+    main()
