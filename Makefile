@@ -15,7 +15,7 @@ test: build
 	$(PYTHON) -m pytest tests
 
 demo: build
-	$(PYTHON) examples/quickstart.py
+	$(PYTHON) examples/demo.py
 
 bench: build
 	$(PYTHON) benchmarks/run_all.py
