@@ -115,9 +115,23 @@ TORCH_LIBRARY(dtorch, m) {
 // Kernels. They are registered here, after TORCH_LIBRARY in the same translation unit, because
 // an impl whose signature names a custom class needs that class registered first, and static
 // initialisation order across translation units is unspecified.
+// Host memory: the value is ready now (dense, sparse and quantized layouts alike).
 TORCH_LIBRARY_IMPL(dtorch, CPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu); }
+TORCH_LIBRARY_IMPL(dtorch, SparseCPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu); }
+TORCH_LIBRARY_IMPL(dtorch, SparseCsrCPU, m) {
+  m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu);
+}
+TORCH_LIBRARY_IMPL(dtorch, QuantizedCPU, m) {
+  m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu);
+}
 // Every event-capable backend shares the device-generic kernel.
 TORCH_LIBRARY_IMPL(dtorch, CUDA, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_device); }
+TORCH_LIBRARY_IMPL(dtorch, SparseCUDA, m) {
+  m.impl("get_tensor", &dtorch::kernels::get_tensor_device);
+}
+TORCH_LIBRARY_IMPL(dtorch, SparseCsrCUDA, m) {
+  m.impl("get_tensor", &dtorch::kernels::get_tensor_device);
+}
 TORCH_LIBRARY_IMPL(dtorch, XPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_device); }
 TORCH_LIBRARY_IMPL(dtorch, MPS, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_device); }
 TORCH_LIBRARY_IMPL(dtorch, PrivateUse1, m) {

@@ -7,6 +7,7 @@ when the ops are used without ``import dtorch_ops``.
 """
 import importlib.abc
 import importlib.util
+import logging
 import sys
 
 import torch
@@ -14,6 +15,42 @@ import torch
 
 def _unflatten(cls, flattened):
     return cls(**dict(flattened))
+
+
+def _no_len(self):
+    raise TypeError(f"{type(self).__name__} has no len()")
+
+
+def _same_object(self, other):
+    return self is other
+
+
+class _DeepcopyFallbackFilter(logging.Filter):
+    """Drops torch's warning that it could not deep-copy one of our objects while tracing.
+
+    Tracing tries copy.deepcopy on each script object and, when that fails, keeps using the
+    object itself, warning that methods could mutate it. Ours cannot be copied (a memory promise
+    cannot be pickled, by design) and our fake classes never call their methods, so the fallback
+    is safe and the warning, logged at every compile, is noise.
+    """
+
+    def filter(self, record):
+        return not (record.getMessage().startswith("Unable to deepcopy the custom object")
+                    and "torch.classes.dtorch." in record.getMessage())
+
+
+logging.getLogger("torch._library.fake_class_registry").addFilter(_DeepcopyFallbackFilter())
+
+
+def _require_fake_mode(op: str, input) -> None:
+    """Fake kernels also serve as Meta kernels; a real meta tensor has no value to hand over."""
+    try:
+        torch.library.get_ctx()
+    except RuntimeError:
+        raise NotImplementedError(
+            f"dtorch::{op}: meta tensors have no value to hand over; pass a tensor on a real "
+            "device (or trace under FakeTensorMode)"
+        ) from None
 
 
 @torch._library.register_fake_class("dtorch::TensorFuture")
@@ -33,6 +70,7 @@ class FakeTensorFuture:
         )
 
     get = wait = wait_for = is_ready = valid = notify_when_ready = _no_value
+    __len__, __eq__ = _no_len, _same_object
 
 
 @torch._library.register_fake_class("dtorch::TensorPromise")
@@ -52,6 +90,7 @@ class FakeTensorPromise:
         )
 
     set_value = set_exception = get_future = serialize = _not_traceable
+    __len__, __eq__ = _no_len, _same_object
 
 
 @torch._library.register_fake_class("dtorch::ReadyNotifier")
@@ -67,15 +106,18 @@ class FakeReadyNotifier:
         raise RuntimeError("dtorch: a ReadyNotifier cannot be used inside a traced graph")
 
     fileno = drain = _not_traceable
+    __len__, __eq__ = _no_len, _same_object
 
 
 @torch.library.register_fake("dtorch::get_tensor")
 def _get_tensor_fake(input, promise):
+    _require_fake_mode("get_tensor", input)
     return None
 
 
 @torch.library.register_fake("dtorch::get_tensor_async")
 def _get_tensor_async_fake(input):
+    _require_fake_mode("get_tensor_async", input)
     # The op's output must convert to the schema's class type (a FakeScriptObject does not), so
     # the fake output is a real future that can only report that it came from tracing. On torch
     # 2.13 Dynamo then graph-breaks at the op and runs it eagerly; capturing it in the graph is

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and testing dtorch_ops needs, skipping what is already there:
-#   Boost >= 1.78 headers (robust interprocess mutexes) from Debian,
+#   from Debian: g++, make, cmake, binutils, Boost >= 1.78 headers (robust interprocess mutexes);
 #   torch (2.13.0 unless a torch >= 2.11 is importable), ninja, pytest, pytest-timeout.
 # PYTHON selects the interpreter (default: python3 on PATH).
 set -euo pipefail
@@ -19,15 +19,25 @@ boost_version() {  # prints BOOST_VERSION (e.g. 108100) or 0
   if [ -f "$header" ]; then awk '/#define BOOST_VERSION /{print $3}' "$header"; else echo 0; fi
 }
 
+apt_packages=()
+command -v g++ >/dev/null || apt_packages+=(g++)
+command -v make >/dev/null || apt_packages+=(make)
+command -v cmake >/dev/null || apt_packages+=(cmake)      # builds examples/cpp in the tests
+command -v readelf >/dev/null || apt_packages+=(binutils)
+
 if [ "$(boost_version)" -lt 107800 ]; then
   debian_major=$(cut -d. -f1 /etc/debian_version 2>/dev/null || echo 0)
   case "$debian_major" in
     12) boost_pkg=libboost1.81-dev ;;   # Debian 12's default libboost-dev is 1.74
     *) boost_pkg=libboost-dev ;;        # Debian 13: 1.83
   esac
-  log "installing $boost_pkg (Boost >= 1.78 needed, found $(boost_version))"
+  apt_packages+=("$boost_pkg")
+fi
+
+if [ ${#apt_packages[@]} -gt 0 ]; then
+  log "installing ${apt_packages[*]} (Debian)"
   as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$boost_pkg" >/dev/null
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_packages[@]}" >/dev/null
   [ "$(boost_version)" -ge 107800 ] || { log "Boost >= 1.78 still missing"; exit 1; }
 fi
 

@@ -11,6 +11,20 @@ WAIT_MS = 10_000
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def require_tool(name: str, why: str) -> str:
+    """The tool's path; skips without it, except in CI, whose set-up (make deps) installs it."""
+    import os
+    import shutil
+
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed: {why}"
+        if os.environ.get("CI"):
+            pytest.fail(message + " (CI must install it: scripts/install_deps.sh)")
+        pytest.skip(message)
+    return path
+
+
 def run_in_thread(fn, *args):
     """Starts fn(*args) on a daemon thread; returns (thread, result dict with 'value'/'error')."""
     result = {}

@@ -1,18 +1,15 @@
 """Builds and runs the C++ tests of the torch-free core (tests/cpp/test_core.cpp)."""
 import glob
 import os
-import shutil
 import subprocess
 
-import pytest
+from conftest import require_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_core_cpp(tmp_path):
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        pytest.skip("no C++ compiler (g++) on PATH")
+    cxx = require_tool(os.environ.get("CXX", "g++"), "cannot build the core's C++ tests")
     binary = tmp_path / "test_core"
     build = subprocess.run(
         [cxx, "-std=c++20", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-pthread",

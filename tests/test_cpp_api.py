@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dtorch_ops
+from conftest import require_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE_DIR = os.path.join(REPO, "examples", "cpp")
@@ -32,9 +33,7 @@ class _Doubler(torch.nn.Module):
 
 
 def test_library_links_no_python():
-    readelf = shutil.which("readelf")
-    if readelf is None:
-        pytest.skip("readelf (binutils) is not installed")
+    readelf = require_tool("readelf", "cannot inspect the library's dependencies")
     proc = _run([readelf, "-d", dtorch_ops.library_path()], timeout=60)
     assert proc.returncode == 0, proc.stderr
     needed = [line.split("[", 1)[1].rstrip("]") for line in proc.stdout.splitlines() if "(NEEDED)" in line]
@@ -46,12 +45,8 @@ def test_library_links_no_python():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_cpp_example_builds_and_runs_scripted_module(tmp_path):
-    cmake = shutil.which("cmake")
-    if cmake is None:
-        pytest.skip("cmake is not installed: cannot build examples/cpp")
-    make = shutil.which("make")
-    if make is None:
-        pytest.skip("make is not installed: cannot build examples/cpp")
+    cmake = require_tool("cmake", "cannot build examples/cpp")
+    make = require_tool("make", "cannot build examples/cpp")
 
     # The module is scripted and saved here; C++ loads it with torch::jit::load.
     scripted = torch.jit.script(_Doubler())

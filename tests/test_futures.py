@@ -294,3 +294,81 @@ def test_repr():
     assert "ready" in repr(fut)
     fut.get()
     assert "consumed" in repr(fut)
+
+
+def test_two_blocked_raw_getters_one_gets_the_value():
+    promise = torch.classes.dtorch.TensorPromise("memory")
+    fut = promise.get_future()
+    runs = [run_in_thread(fut.get) for _ in range(2)]
+    time.sleep(0.05)
+    promise.set_value(torch.ones(2))
+    for thread, _ in runs:
+        thread.join(WAIT_MS / 1000)
+    results = [r for _, r in runs]
+    values = [r["value"] for r in results if "value" in r]
+    errors = [r["error"] for r in results if "error" in r]
+    assert len(values) == 1 and torch.equal(values[0], torch.ones(2))
+    assert len(errors) == 1 and "already consumed" in str(errors[0])
+
+
+@pytest.mark.parametrize("timeout_ms", [10**13, 2**63 - 1])
+def test_huge_timeouts_do_not_overflow(timeout_ms):
+    promise = dtorch_ops.TensorPromise()
+    fut = promise.get_future()
+    timer = threading.Timer(0.05, promise.set_value, args=(torch.ones(1),))
+    timer.start()
+    assert torch.equal(fut.wait(timeout_ms), torch.ones(1))  # waits, does not time out at once
+    timer.join()
+
+
+def test_sparse_and_quantized_cpu_tensors():
+    for x in (torch.eye(3).to_sparse(), torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.qint8)):
+        y = dtorch_ops.to_torch(x)
+        assert y.layout == x.layout and y.dtype == x.dtype
+        assert torch.equal(y.to_dense() if y.is_sparse else y.dequantize(),
+                           x.to_dense() if x.is_sparse else x.dequantize())
+
+
+def test_meta_tensors_get_a_clear_error():
+    meta = torch.empty(2, device="meta")
+    with pytest.raises(NotImplementedError, match="meta tensors have no value"):
+        dtorch_ops.to_torch_async(meta)
+    with pytest.raises(NotImplementedError, match="meta tensors have no value"):
+        dtorch_ops.get_tensor(meta, dtorch_ops.TensorPromise())
+
+
+def test_dtensor_gets_a_clear_error():
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        d = DTensor.from_local(torch.ones(2), init_device_mesh("cpu", (1,)), [Replicate()])
+        promise = dtorch_ops.TensorPromise()
+        for call in (lambda: dtorch_ops.to_torch_async(d),
+                     lambda: dtorch_ops.get_tensor(d, promise),
+                     lambda: torch.ops.dtorch.get_tensor_async(d),
+                     lambda: torch.ops.dtorch.get_tensor(d, promise.raw)):
+            with pytest.raises(TypeError, match=r"to_local\(\)"):
+                call()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_import_without_the_compiled_library_says_why(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    # A copy of the package without its .so files, under another name (the editable install's
+    # finder would resolve "dtorch_ops" to this checkout).
+    package = os.path.dirname(dtorch_ops.__file__)
+    shutil.copytree(package, tmp_path / "dtorch_ops_unbuilt",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    proc = subprocess.run([sys.executable, "-c", "import dtorch_ops_unbuilt"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "the compiled library could not be loaded" in proc.stderr
+    assert "make build" in proc.stderr

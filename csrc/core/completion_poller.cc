@@ -9,8 +9,21 @@ namespace dtorch::core {
 
 CompletionPoller& CompletionPoller::Instance() {
   // Leaked on purpose: detached poller threads may outlive static destruction.
-  static CompletionPoller* poller = new CompletionPoller();
+  static CompletionPoller* poller = [] {
+    std::atexit(&CompletionPoller::OnExit);
+    return new CompletionPoller();
+  }();
   return *poller;
+}
+
+void CompletionPoller::OnExit() {
+  CompletionPoller& poller = Instance();
+  std::lock_guard<std::mutex> lock(poller.mu_);
+  poller.exiting_ = true;
+  for (auto& entry : poller.queues_) {
+    for (auto& item : entry.second.items) (void)item.release();  // leaked: see the header
+  }
+  poller.work_cv_.notify_all();
 }
 
 void CompletionPoller::Submit(const std::string& key,
@@ -27,10 +40,25 @@ void CompletionPoller::Submit(const std::string& key,
       start_thread = true;
     }
   }
-  if (start_thread) {
-    std::thread([this, key] { Run(key); }).detach();
-  } else {
+  if (!start_thread) {
     work_cv_.notify_all();
+    return;
+  }
+  try {
+    std::thread([this, key] { Run(key); }).detach();
+  } catch (...) {
+    // No thread: take the completion back, so the caller's error is the only outcome (a queued
+    // item without a thread would keep its promise alive, unfulfilled, forever). A queue without
+    // a thread holds nothing else: its thread only exits once it is empty.
+    std::unique_ptr<PendingCompletion> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dropped = std::move(queues_[key].items.back());
+      queues_.erase(key);
+      --threads_;
+      --pending_;
+    }
+    throw;
   }
 }
 
@@ -45,7 +73,7 @@ void CompletionPoller::Run(const std::string& key) {
       auto idle_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kIdleExitMs);
       // Map references stay valid while other keys come and go; only this thread erases `key`.
       Queue& queue = queues_[key];
-      while (queue.items.empty()) {
+      while (queue.items.empty() && !exiting_) {
         if (work_cv_.wait_until(lock, idle_deadline) == std::cv_status::timeout &&
             queue.items.empty()) {
           queues_.erase(key);
@@ -53,6 +81,7 @@ void CompletionPoller::Run(const std::string& key) {
           return;
         }
       }
+      if (exiting_) return;  // OnExit leaked what was queued
       head = std::move(queue.items.front());
       queue.items.pop_front();
     }
@@ -68,6 +97,10 @@ void CompletionPoller::Run(const std::string& key) {
       }
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, kMaxBackoff);
+      if (exiting_) {
+        (void)head.release();  // see OnExit
+        return;
+      }
     }
     head->Complete(error);
     head.reset();  // release the tensor/event before counting the completion as done

@@ -8,13 +8,16 @@
 // device synchronize, which on CUDA would spin a core; it exits after kIdleExitMs without work.
 // Thousands of pending values on a few streams therefore cost a few threads.
 //
-// Lifetime: the poller is a process-wide singleton that is never destroyed (its threads may
-// still be polling while static destructors run); a completion keeps whatever it needs (the
-// tensor, the event, the promise) alive until Complete() has run.
+// Lifetime: the poller is a process-wide singleton that is never destroyed; a completion keeps
+// whatever it needs (the tensor, the event, the promise) alive until Complete() has run. At
+// process exit (std::atexit) the threads stop touching completions: those still pending are
+// leaked rather than polled or destroyed while the runtime below them (a device driver, the
+// allocator) is being torn down.
 //
 // Thread-safety: Submit() and the counters may be called from any thread.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -44,6 +47,7 @@ class CompletionPoller {
   static CompletionPoller& Instance();
 
   // Queues `completion` behind the earlier ones with the same key (one key per device stream).
+  // Throws (and queues nothing) if no poller thread can be started.
   void Submit(const std::string& key, std::unique_ptr<PendingCompletion> completion);
 
   // Live poller threads and completions not yet completed (for tests and diagnostics).
@@ -58,12 +62,14 @@ class CompletionPoller {
 
   CompletionPoller() = default;
   void Run(const std::string& key);
+  static void OnExit();
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;
   std::map<std::string, Queue> queues_;  // guarded by mu_
   size_t threads_ = 0;                   // guarded by mu_
   size_t pending_ = 0;                   // guarded by mu_
+  std::atomic<bool> exiting_{false};     // set once, by OnExit (also read without mu_)
 };
 
 }  // namespace dtorch::core

@@ -15,6 +15,7 @@
 // Thread-safety: every method may be called from any thread.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -78,23 +79,35 @@ class SharedState {
   }
 
   // Blocks until complete, then consumes the value (or throws the stored error, consuming it).
+  // Of several threads blocked here, one gets the value and the others kNoState.
   T Take() {
     std::unique_lock<std::mutex> lock(mu_);
     ThrowIfRetrievedLocked();
     cv_.wait(lock, [this] { return ready_; });
+    ThrowIfRetrievedLocked();  // another waiter may have taken it while this one slept
     return TakeLocked();
   }
 
   // Blocks for up to timeout_ms (0 = poll); returns whether the state is complete. Never consumes.
+  // Timeouts beyond kMaxTimeoutMs are clamped (2^40 ms, ~34 years): larger ones would overflow the clock.
   bool WaitFor(int64_t timeout_ms) const {
     std::unique_lock<std::mutex> lock(mu_);
     ThrowIfRetrievedLocked();
-    return cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [this] { return ready_; });
+    const auto timeout = std::chrono::milliseconds(std::clamp<int64_t>(timeout_ms, 0, kMaxTimeoutMs));
+    return cv_.wait_for(lock, timeout, [this] { return ready_; });
   }
+
+  static constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
 
   bool IsReady() const {
     std::lock_guard<std::mutex> lock(mu_);
     return ready_ && !retrieved_;
+  }
+
+  // True once completed (value or error), whether or not the value was taken since.
+  bool IsComplete() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ready_;
   }
 
   bool Valid() const {

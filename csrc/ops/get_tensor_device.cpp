@@ -23,30 +23,35 @@ class EventCompletion final : public core::PendingCompletion {
   EventCompletion(c10::Event event, at::Tensor tensor, c10::intrusive_ptr<TensorPromise> promise)
       : event_(std::move(event)), tensor_(std::move(tensor)), promise_(std::move(promise)) {}
 
-  bool Poll() override { return event_.query(); }
+  bool Poll() override {
+    // Make the event's device current on this (poller) thread first: otherwise querying and
+    // destroying the event here would create a context on device 0 of a process that may use
+    // another device only. A poller thread serves one stream, so this is set once in effect.
+    c10::impl::VirtualGuardImpl(event_.device_type()).setDevice(tensor_.device());
+    return event_.query();
+  }
 
   void Complete(std::exception_ptr error) noexcept override {
     try {
-      if (error) std::rethrow_exception(error);
-      promise_->SetValue(tensor_);
-    } catch (const std::exception& e) {
-      SetExceptionNoThrow(std::string("device error while waiting for the tensor on ") +
-                          tensor_.device().str() + ": " + e.what());
+      if (!error) {
+        promise_->SetValue(tensor_);
+        return;
+      }
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        promise_->SetException("device error while waiting for the tensor on " +
+                               tensor_.device().str() + ": " + e.what());
+      } catch (...) {
+        promise_->SetException("unknown device error while waiting for the tensor on " +
+                               tensor_.device().str());
+      }
     } catch (...) {
-      SetExceptionNoThrow("unknown device error while waiting for the tensor on " +
-                          tensor_.device().str());
+      // The promise was satisfied meanwhile by another producer: the first completion stands.
     }
   }
 
  private:
-  void SetExceptionNoThrow(const std::string& message) noexcept {
-    try {
-      promise_->SetException(message);
-    } catch (...) {
-      // Already satisfied by someone else: the first completion stands.
-    }
-  }
-
   c10::Event event_;
   at::Tensor tensor_;
   c10::intrusive_ptr<TensorPromise> promise_;
@@ -61,6 +66,9 @@ std::string StreamKey(const c10::Stream& stream) {
 
 void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise) {
   TORCH_CHECK(promise, "dtorch: get_tensor needs a TensorPromise, got None");
+  // The CPU kernel would raise at once on a used promise; raise here too, not on a poller thread.
+  TORCH_CHECK(!promise->IsSatisfied(), "dtorch: get_tensor: the promise already holds a value or "
+              "an exception; a promise is fulfilled once, use a new one per value");
   const c10::Device device = input.device();
   c10::impl::VirtualGuardImpl guard(device.type());
   const c10::Stream stream = guard.getStream(device);

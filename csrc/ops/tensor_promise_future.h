@@ -85,6 +85,8 @@ class TensorPromise : public torch::CustomClassHolder {
   // The consumer's end; callable once.
   c10::intrusive_ptr<TensorFuture> GetFuture();
   const std::string& Kind() const { return kind_; }
+  // True once a value or an exception was set.
+  bool IsSatisfied() const { return backend_->IsSatisfied(); }
   // A string another process can turn back into this promise. Memory promises cannot leave the
   // process and throw.
   std::string Serialize() const;
