@@ -2,6 +2,7 @@
 of many pending awaits. dtorch_ops' completion-driven await vs the seed's 1 ms is_ready() polling,
 with a bare asyncio.Future resolved by call_soon_threadsafe as the floor."""
 import asyncio
+import queue
 import random
 import statistics
 import threading
@@ -24,8 +25,21 @@ async def _await_ours(future):
 
 
 async def _resume_latency(kind, samples):
+    """Median us from the producer's set to the coroutine running again. The producer is one
+    long-lived worker thread (as in a service), handed each job through a queue."""
     loop = asyncio.get_running_loop()
     value = torch.ones(1)
+    jobs = queue.Queue()
+
+    def worker():
+        while (job := jobs.get()) is not None:
+            delay, stamp, fire = job
+            time.sleep(delay)
+            stamp["t0"] = time.perf_counter()
+            fire()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
     latencies = []
     for _ in range(samples):
         stamp = {}
@@ -33,28 +47,16 @@ async def _resume_latency(kind, samples):
         delay = 0.002 + random.uniform(0, 0.001)
         if kind == "floor":
             waiter = loop.create_future()
-
-            def produce():
-                time.sleep(delay)
-                stamp["t0"] = time.perf_counter()
-                loop.call_soon_threadsafe(waiter.set_result, value)
-
-            coro = waiter
+            jobs.put((delay, stamp, lambda w=waiter: loop.call_soon_threadsafe(w.set_result, value)))
+            await waiter
         else:
             promise = dtorch_ops.TensorPromise()
             future = promise.get_future()
-
-            def produce():
-                time.sleep(delay)
-                stamp["t0"] = time.perf_counter()
-                promise.set_value(value)
-
-            coro = _await_ours(future) if kind == "ours" else _poll_seed(future)
-        thread = threading.Thread(target=produce)
-        thread.start()
-        await coro
+            jobs.put((delay, stamp, lambda p=promise: p.set_value(value)))
+            await (_await_ours(future) if kind == "ours" else _poll_seed(future))
         latencies.append((time.perf_counter() - stamp["t0"]) * 1e6)
-        thread.join()
+    jobs.put(None)
+    thread.join()
     return statistics.median(latencies)
 
 
