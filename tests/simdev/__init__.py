@@ -1,0 +1,51 @@
+"""The simulated asynchronous device ("simdev", PrivateUse1), built on first use for the tests.
+
+``load()`` compiles tests/simdev/simdev.cpp (once; ninja rebuilds it when it changes), loads it
+and renames PrivateUse1 to "simdev". Not part of the dtorch_ops package.
+"""
+import contextlib
+import os
+import types
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_loaded = False
+
+
+def load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    from torch.utils.cpp_extension import load as load_extension
+
+    build_dir = os.path.join(HERE, "build")
+    os.makedirs(build_dir, exist_ok=True)
+    load_extension(name="simdev", sources=[os.path.join(HERE, "simdev.cpp")],
+                   build_directory=build_dir, is_python_module=False,
+                   extra_cflags=["-O1"], verbose=False)
+    torch.utils.rename_privateuse1_backend("simdev")
+    torch._register_device_module("simdev", _device_module())
+    _loaded = True
+
+
+def _device_module():
+    """torch.simdev: what torch looks up for a PrivateUse1 backend."""
+    module = types.ModuleType("torch.simdev")
+    module.is_available = lambda: True
+    module.device_count = lambda: 1
+    module.current_device = lambda: 0
+    module.is_initialized = lambda: True
+    module._lazy_init = lambda: None
+    module.synchronize = lambda device=None: torch.ops.simdev.synchronize()
+    return module
+
+
+@contextlib.contextmanager
+def stream(stream_id: int):
+    """Makes simdev stream `stream_id` current on this thread inside the block."""
+    previous = torch.ops.simdev.set_stream(stream_id)
+    try:
+        yield
+    finally:
+        torch.ops.simdev.set_stream(previous)

@@ -1,0 +1,411 @@
+// simdev: a simulated asynchronous accelerator for tests, registered through PrivateUse1 (in the
+// spirit of PyTorch's OpenReg test backend). Test-only: built by tests/simdev/__init__.py, never
+// shipped.
+//
+// Memory is host memory. Each stream is a worker thread that runs its queued kernels in order,
+// so a kernel call returns before its work is done, and an event completes only when the worker
+// reaches it. Kernels: empty, copies to/from CPU, fill_, add, mul, views, and ops in the simdev
+// namespace: sleep(ms) (a kernel that takes ms milliseconds), fail(message) (a kernel that faults,
+// like a device-side error: the stream's later events report it), streams, synchronize, and the
+// live allocation count.
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/as_strided_cpu_dispatch.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+namespace simdev {
+namespace {
+
+constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+
+// ---- streams: one worker thread each, kernels run in order ----
+
+class StreamWorker {
+ public:
+  StreamWorker() : thread_([this] { Run(); }) { thread_.detach(); }
+
+  void Enqueue(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+      ++enqueued_;
+    }
+    cv_.notify_all();
+  }
+
+  // Blocks until everything enqueued so far has run.
+  void Synchronize() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t target = enqueued_;
+    cv_.wait(lock, [&] { return done_ >= target; });
+  }
+
+  bool Idle() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_ == enqueued_;
+  }
+
+  // The first fault on this stream, if any ("sticky", like a device-side error).
+  std::optional<std::string> Fault() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return fault_;
+  }
+
+  void SetFault(const std::string& message) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!fault_) fault_ = message;
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return !tasks_.empty(); });
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      try {
+        task();
+      } catch (const std::exception& e) {
+        SetFault(e.what());
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++done_;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  uint64_t enqueued_ = 0;                    // guarded by mu_
+  uint64_t done_ = 0;                        // guarded by mu_
+  std::optional<std::string> fault_;         // guarded by mu_
+  std::thread thread_;
+};
+
+class Runtime {
+ public:
+  static Runtime& Get() {
+    static Runtime* runtime = new Runtime();  // leaked: workers outlive static destruction
+    return *runtime;
+  }
+
+  StreamWorker& Stream(c10::StreamId id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& worker = workers_[id];
+    if (!worker) worker = std::make_unique<StreamWorker>();
+    return *worker;
+  }
+
+  c10::StreamId NewStream() { return next_stream_.fetch_add(1); }
+
+  void SynchronizeAll() {
+    std::vector<StreamWorker*> all;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& entry : workers_) all.push_back(entry.second.get());
+    }
+    for (auto* worker : all) worker->Synchronize();
+  }
+
+  size_t StreamCount() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return workers_.size();
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<c10::StreamId, std::unique_ptr<StreamWorker>> workers_;  // guarded by mu_
+  std::atomic<c10::StreamId> next_stream_{1};                       // 0 is the default stream
+};
+
+thread_local c10::StreamId current_stream = 0;
+
+StreamWorker& CurrentWorker() { return Runtime::Get().Stream(current_stream); }
+
+// ---- events ----
+
+struct EventState {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t recorded = 0;                // guarded by mu: versions scheduled
+  uint64_t completed = 0;               // guarded by mu: versions the stream reached
+  std::optional<std::string> fault;     // guarded by mu: a fault seen before the version
+
+  void ThrowIfFaultLocked() {
+    TORCH_CHECK(!fault, "simdev: device-side error: ", *fault);
+  }
+};
+
+struct Event {
+  std::shared_ptr<EventState> state = std::make_shared<EventState>();
+};
+
+// ---- allocator ----
+
+std::atomic<int64_t> live_allocations{0};
+
+struct SimAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* data = nbytes ? std::malloc(nbytes) : nullptr;
+    TORCH_CHECK(!nbytes || data, "simdev: out of memory allocating ", nbytes, " bytes");
+    if (data) ++live_allocations;
+    return {data, data, &Free, c10::Device(kType, 0)};
+  }
+  static void Free(void* data) {
+    if (data) --live_allocations;
+    std::free(data);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &Free; }
+  void copy_data(void* dest, const void* src, std::size_t count) const final {
+    default_copy_data(dest, src, count);
+  }
+};
+
+SimAllocator allocator;
+REGISTER_ALLOCATOR(kType, &allocator);
+
+// ---- device guard ----
+
+struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kType; }
+  c10::Device exchangeDevice(c10::Device) const override { return c10::Device(kType, 0); }
+  c10::Device getDevice() const override { return c10::Device(kType, 0); }
+  void setDevice(c10::Device d) const override {
+    TORCH_CHECK(d.index() <= 0, "simdev: there is one device (simdev:0), got ", d);
+  }
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, 0), current_stream);
+  }
+  c10::Stream getDefaultStream(c10::Device) const override {
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, 0), 0);
+  }
+  c10::Stream getNewStream(c10::Device, int) const override {
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, 0), Runtime::Get().NewStream());
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    return getNewStream(d, 0);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    auto previous = getStream(s.device());
+    current_stream = s.id();
+    return previous;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex,
+              const c10::EventFlag) const override {
+    if (*event == nullptr) *event = new Event();
+    auto state = static_cast<Event*>(*event)->state;
+    uint64_t version;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      version = ++state->recorded;
+    }
+    StreamWorker& worker = Runtime::Get().Stream(stream.id());
+    worker.Enqueue([state, version, &worker] {
+      auto fault = worker.Fault();
+      {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->completed = std::max(state->completed, version);
+        if (fault) state->fault = fault;
+      }
+      state->cv.notify_all();
+    });
+  }
+  void block(void* event, const c10::Stream& stream) const override {
+    if (event == nullptr) return;
+    auto state = static_cast<Event*>(event)->state;
+    uint64_t version;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      version = state->recorded;
+    }
+    Runtime::Get().Stream(stream.id()).Enqueue([state, version] {
+      std::unique_lock<std::mutex> lock(state->mu);
+      state->cv.wait(lock, [&] { return state->completed >= version; });
+    });
+  }
+  bool queryEvent(void* event) const override {
+    if (event == nullptr) return true;
+    auto& state = *static_cast<Event*>(event)->state;
+    std::lock_guard<std::mutex> lock(state.mu);
+    const bool done = state.completed >= state.recorded;
+    if (done) state.ThrowIfFaultLocked();
+    return done;
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event == nullptr) return;
+    auto& state = *static_cast<Event*>(event)->state;
+    std::unique_lock<std::mutex> lock(state.mu);
+    state.cv.wait(lock, [&] { return state.completed >= state.recorded; });
+    state.ThrowIfFaultLocked();
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<Event*>(event);  // pending stream tasks hold the state, not the Event
+  }
+  bool queryStream(const c10::Stream& stream) const override {
+    return Runtime::Get().Stream(stream.id()).Idle();
+  }
+  void synchronizeStream(const c10::Stream& stream) const override {
+    Runtime::Get().Stream(stream.id()).Synchronize();
+  }
+  void synchronizeDevice(const c10::DeviceIndex) const override {
+    Runtime::Get().SynchronizeAll();
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, SimGuardImpl);
+
+// ---- kernels ----
+
+// A CPU tensor over the same memory (built on the worker thread, when the kernel runs).
+at::Tensor HostAlias(const at::Tensor& t) {
+  if (!t.is_privateuseone()) return t;  // a CPU operand (e.g. a wrapped scalar)
+  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(),
+                       t.options().device(c10::kCPU));
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> layout,
+                               std::optional<c10::Device> device, std::optional<bool> pin_memory,
+                               std::optional<c10::MemoryFormat> memory_format) {
+  constexpr c10::DispatchKeySet ks(c10::DispatchKey::PrivateUse1);
+  return at::detail::empty_generic(size, &allocator, ks, c10::dtype_or_default(dtype),
+                                   memory_format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
+                         std::optional<c10::Device> device, std::optional<bool> pin_memory) {
+  constexpr c10::DispatchKeySet ks(c10::DispatchKey::PrivateUse1);
+  return at::detail::empty_strided_generic(size, stride, &allocator, ks,
+                                           c10::dtype_or_default(dtype));
+}
+
+// Copies are ordered on the current stream. A copy that touches host memory waits for its turn
+// (like a blocking cudaMemcpy), so the host side is safe to use or free afterwards.
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  StreamWorker& worker = CurrentWorker();
+  worker.Enqueue([self, dst] { HostAlias(dst).copy_(HostAlias(self)); });
+  if (!self.is_privateuseone() || !dst.is_privateuseone()) {
+    worker.Synchronize();
+    auto fault = worker.Fault();
+    TORCH_CHECK(!fault, "simdev: device-side error: ", *fault);
+  }
+  return dst;
+}
+
+at::Tensor& fill_scalar(at::Tensor& self, const at::Scalar& value) {
+  CurrentWorker().Enqueue([self, value] { HostAlias(self).fill_(value); });
+  return self;
+}
+
+at::Tensor Binary(const at::Tensor& a, const at::Tensor& b,
+                  std::function<void(at::Tensor&, const at::Tensor&, const at::Tensor&)> op) {
+  const auto dtype = at::result_type(a, b);
+  at::Tensor out = at::empty(at::infer_size(a.sizes(), b.sizes()),
+                             a.options().dtype(dtype).device(c10::Device(kType, 0)));
+  CurrentWorker().Enqueue([out, a, b, op] {
+    at::Tensor host_out = HostAlias(out);
+    op(host_out, HostAlias(a), HostAlias(b));
+  });
+  return out;
+}
+
+at::Tensor add(const at::Tensor& a, const at::Tensor& b, const at::Scalar& alpha) {
+  return Binary(a, b, [alpha](at::Tensor& o, const at::Tensor& x, const at::Tensor& y) {
+    at::add_out(o, x, y, alpha);
+  });
+}
+
+at::Tensor mul(const at::Tensor& a, const at::Tensor& b) {
+  return Binary(a, b, [](at::Tensor& o, const at::Tensor& x, const at::Tensor& y) {
+    at::mul_out(o, x, y);
+  });
+}
+
+at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
+                      std::optional<int64_t> storage_offset) {
+  return at::cpu::as_strided(self, size, stride, storage_offset);
+}
+
+at::Tensor view(const at::Tensor& self, c10::IntArrayRef size) {
+  return at::native::view(self, size);
+}
+
+// ---- simdev:: ops for the tests ----
+
+void sleep_kernel(int64_t ms) {
+  CurrentWorker().Enqueue([ms] { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); });
+}
+
+void fail_kernel(const std::string& message) {
+  CurrentWorker().Enqueue([message]() { throw std::runtime_error(message); });
+}
+
+int64_t new_stream() { return Runtime::Get().NewStream(); }
+
+int64_t set_stream(int64_t id) {
+  const int64_t previous = current_stream;
+  current_stream = id;
+  return previous;
+}
+
+int64_t get_stream() { return current_stream; }
+
+void synchronize() { Runtime::Get().SynchronizeAll(); }
+
+int64_t live_allocations_op() { return live_allocations.load(); }
+
+int64_t stream_count() { return static_cast<int64_t>(Runtime::Get().StreamCount()); }
+
+}  // namespace
+}  // namespace simdev
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", &simdev::empty_memory_format);
+  m.impl("empty_strided", &simdev::empty_strided);
+  m.impl("_copy_from", &simdev::copy_from);
+  m.impl("fill_.Scalar", &simdev::fill_scalar);
+  m.impl("add.Tensor", &simdev::add);
+  m.impl("mul.Tensor", &simdev::mul);
+  m.impl("as_strided", &simdev::as_strided);
+  m.impl("view", &simdev::view);
+}
+
+TORCH_LIBRARY(simdev, m) {
+  // A kernel on the current stream that takes `ms` milliseconds.
+  m.def("sleep(int ms) -> ()", &simdev::sleep_kernel);
+  // A kernel on the current stream that faults; the stream's later events report the fault.
+  m.def("fail(str message) -> ()", &simdev::fail_kernel);
+  m.def("new_stream() -> int", &simdev::new_stream);
+  // Makes stream `id` current on this thread; returns the previous one.
+  m.def("set_stream(int id) -> int", &simdev::set_stream);
+  m.def("get_stream() -> int", &simdev::get_stream);
+  m.def("synchronize() -> ()", &simdev::synchronize);
+  m.def("live_allocations() -> int", &simdev::live_allocations_op);
+  m.def("stream_count() -> int", &simdev::stream_count);
+}
