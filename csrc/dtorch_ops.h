@@ -21,4 +21,4 @@
 // (no Python). See examples/cpp/.
 #pragma once
 
-#include "ops/get_tensor.h"  // brings in ops/tensor_promise_future.h
+#include "ops/get_tensor.h"  // brings in ops/futures.h

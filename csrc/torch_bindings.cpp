@@ -1,37 +1,110 @@
-// Every schema and custom class of the dtorch library, declared in one place.
+// Every schema and custom class of the dtorch library, declared in one place, and every kernel
+// registration.
 //
 // Zero-output ops and ops that keep a reference to their input use CONSERVATIVE alias analysis:
 // with the default (FROM_SCHEMA) TorchScript would treat them as pure and delete them.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "ops/futures.h"
 #include "ops/get_tensor.h"
-#include "ops/tensor_promise_future.h"
+#include "ops/sync.h"
 
 namespace {
 
+using dtorch::Future;
+using dtorch::Promise;
 using dtorch::ReadyNotifier;
-using dtorch::TensorFuture;
-using dtorch::TensorPromise;
+using dtorch::VoidFutureCollect;
 
 // Handles compare equal when they refer to the same object (tracing and opcheck compare inputs).
-template <typename T>
-bool SameObject(const c10::intrusive_ptr<T>& self, const c10::intrusive_ptr<T>& other) {
+template <typename C>
+bool SameObject(const c10::intrusive_ptr<C>& self, const c10::intrusive_ptr<C>& other) {
   return self.get() == other.get();
 }
 
 // `len(obj)` must raise TypeError, as for any Python object without a length: without a __len__
 // method torch raises NotImplementedError, which breaks torch.library.opcheck's schema check.
-template <typename T>
-int64_t NoLength(const c10::intrusive_ptr<T>& self) {
-  TORCH_CHECK_TYPE(false, "dtorch: a ", T::kClassName, " has no len()");
+template <typename C>
+int64_t NoLength(const c10::intrusive_ptr<C>&) {
+  TORCH_CHECK_TYPE(false, "dtorch: a ", C::kClassName, " has no len()");
 }
 
 // __obj_flatten__ for torch.compile/export: constant per kind, so compiled code guards on the kind
 // only and does not recompile for each new promise or future.
+template <typename C>
+std::tuple<std::tuple<std::string, std::string>> FlattenKind(const c10::intrusive_ptr<C>& self) {
+  return std::make_tuple(std::make_tuple(std::string("kind"), std::string(self->Kind())));
+}
+
+// The methods every handle class has: flatten, identity, no len(), and pickling that refuses
+// (handles to one consumer's value, or to one event loop, cannot be copied).
+template <typename C>
+torch::class_<C>& HandleBasics(torch::class_<C>& cls) {
+  return cls.def("__obj_flatten__", &FlattenKind<C>)
+      .def("__eq__", &SameObject<C>)
+      .def("__len__", &NoLength<C>);
+}
+
+template <typename C>
+torch::class_<C>& NotPicklable(torch::class_<C>& cls) {
+  return cls.def_pickle(
+      [](const c10::intrusive_ptr<C>&) -> std::string {
+        TORCH_CHECK(false, "dtorch: a ", C::kClassName, " cannot be pickled or copied; it "
+                    "belongs to the one consumer (or event loop) that holds it");
+      },
+      [](std::string) -> c10::intrusive_ptr<C> {
+        TORCH_CHECK(false, "dtorch: a ", C::kClassName, " cannot be unpickled");
+      });
+}
+
+// TensorFuture / VoidFuture. get() and wait() return the tensor, or None for a VoidFuture.
 template <typename T>
-std::tuple<std::tuple<std::string, std::string>> FlattenKind(const c10::intrusive_ptr<T>& self) {
-  return std::make_tuple(std::make_tuple(std::string("kind"), self->Kind()));
+void DefineFuture(torch::Library& m) {
+  using F = Future<T>;
+  auto cls = m.class_<F>(F::kClassName);
+  if constexpr (std::is_same_v<T, dtorch::core::Unit>) {
+    // Blocks until ready and consumes the future.
+    cls.def("get", [](const c10::intrusive_ptr<F>& self) { self->Get(); });
+    // Like get() within timeout_ms, else raises ("dtorch: timed out") and stays valid.
+    cls.def("wait", [](const c10::intrusive_ptr<F>& self, int64_t ms) { self->Wait(ms); });
+  } else {
+    cls.def("get", &F::Get);
+    cls.def("wait", &F::Wait);
+  }
+  // Blocks up to timeout_ms; True once ready. Does not consume.
+  cls.def("wait_for", &F::WaitFor)
+      .def("is_ready", &F::IsReady)
+      .def("valid", &F::Valid)
+      .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
+      // Posts `token` to the notifier once ready (how asyncio awaits it). Does not consume.
+      .def("notify_when_ready", &F::NotifyWhenReady);
+  NotPicklable(HandleBasics(cls));
+}
+
+// TensorPromise / VoidPromise, constructed with their kind. set_value takes the tensor (nothing for
+// a VoidPromise). Pickling goes through serialize(): memory promises refuse.
+template <typename T>
+void DefinePromise(torch::Library& m) {
+  using P = Promise<T>;
+  auto cls = m.class_<P>(P::kClassName);
+  cls.def(torch::init<std::string>());
+  if constexpr (std::is_same_v<T, dtorch::core::Unit>) {
+    cls.def("set_value", [](const c10::intrusive_ptr<P>& self) { self->SetValue({}); });
+  } else {
+    cls.def("set_value", &P::SetValue);
+  }
+  cls.def("set_exception", &P::SetException)
+      .def("get_future", &P::GetFuture)
+      .def("kind", [](const c10::intrusive_ptr<P>& self) { return self->Kind(); })
+      .def("serialize", &P::Serialize)
+      .def_pickle([](const c10::intrusive_ptr<P>& self) { return self->Serialize(); },
+                  [](std::string state) -> c10::intrusive_ptr<P> {
+                    TORCH_CHECK(false, "dtorch: cannot restore a ", P::kClassName, " from '",
+                                state, "': no promise kind that crosses processes is available "
+                                "in this build");
+                  });
+  HandleBasics(cls);
 }
 
 }  // namespace
@@ -41,8 +114,8 @@ TORCH_LIBRARY(dtorch, m) {
   m.set_python_module("dtorch_ops._fake");
 
   // An event loop's wake-up channel: the loop watches fileno() and drain()s posted tokens.
-  m.class_<ReadyNotifier>("ReadyNotifier")
-      .def(torch::init<>())
+  auto notifier = m.class_<ReadyNotifier>("ReadyNotifier");
+  notifier.def(torch::init<>())
       .def("fileno", &ReadyNotifier::FileNo)
       .def("drain", &ReadyNotifier::Drain)
       .def("__obj_flatten__",
@@ -50,56 +123,31 @@ TORCH_LIBRARY(dtorch, m) {
              return std::make_tuple(std::make_tuple(std::string("kind"), std::string("eventfd")));
            })
       .def("__eq__", &SameObject<ReadyNotifier>)
-      .def("__len__", &NoLength<ReadyNotifier>)
-      .def_pickle(
-          [](const c10::intrusive_ptr<ReadyNotifier>&) -> std::string {
-            TORCH_CHECK(false, "dtorch: a ReadyNotifier belongs to one event loop and cannot be "
-                               "pickled or copied");
-          },
-          [](std::string) -> c10::intrusive_ptr<ReadyNotifier> {
-            TORCH_CHECK(false, "dtorch: a ReadyNotifier cannot be unpickled");
-          });
+      .def("__len__", &NoLength<ReadyNotifier>);
+  NotPicklable(notifier);
 
-  m.class_<TensorFuture>("TensorFuture")
-      // Blocks until ready; returns the tensor and consumes the future.
-      .def("get", &TensorFuture::Get)
-      // Like get() within timeout_ms, else raises ("dtorch: timed out") and stays valid.
-      .def("wait", &TensorFuture::Wait)
-      // Blocks up to timeout_ms; True once ready. Does not consume.
-      .def("wait_for", &TensorFuture::WaitFor)
-      .def("is_ready", &TensorFuture::IsReady)
-      .def("valid", &TensorFuture::Valid)
-      .def("kind", [](const c10::intrusive_ptr<TensorFuture>& self) { return self->Kind(); })
-      // Posts `token` to the notifier once ready (how asyncio awaits it). Does not consume.
-      .def("notify_when_ready", &TensorFuture::NotifyWhenReady)
-      .def("__obj_flatten__", &FlattenKind<TensorFuture>)
-      .def("__eq__", &SameObject<TensorFuture>)
-      .def("__len__", &NoLength<TensorFuture>)
-      .def_pickle(
-          [](const c10::intrusive_ptr<TensorFuture>& self) -> std::string {
-            TORCH_CHECK(false, "dtorch: a TensorFuture cannot be pickled or copied; its value "
-                               "belongs to the one consumer that holds it");
-          },
-          [](std::string) -> c10::intrusive_ptr<TensorFuture> {
-            TORCH_CHECK(false, "dtorch: a TensorFuture cannot be unpickled");
-          });
+  DefineFuture<at::Tensor>(m);
+  DefinePromise<at::Tensor>(m);
+  DefineFuture<dtorch::core::Unit>(m);
+  DefinePromise<dtorch::core::Unit>(m);
 
-  m.class_<TensorPromise>("TensorPromise")
-      .def(torch::init<std::string>())
-      .def("set_value", &TensorPromise::SetValue)
-      .def("set_exception", &TensorPromise::SetException)
-      .def("get_future", &TensorPromise::GetFuture)
-      .def("kind", [](const c10::intrusive_ptr<TensorPromise>& self) { return self->Kind(); })
-      .def("serialize", &TensorPromise::Serialize)
-      .def("__obj_flatten__", &FlattenKind<TensorPromise>)
-      .def("__eq__", &SameObject<TensorPromise>)
-      .def("__len__", &NoLength<TensorPromise>)
-      .def_pickle(
-          [](const c10::intrusive_ptr<TensorPromise>& self) { return self->Serialize(); },
-          [](std::string state) -> c10::intrusive_ptr<TensorPromise> {
-            TORCH_CHECK(false, "dtorch: cannot restore a TensorPromise from '", state,
-                        "': no promise kind that crosses processes is available in this build");
-          });
+  // One VoidFuture per device of a sync, awaited as one.
+  auto collect = m.class_<VoidFutureCollect>("VoidFutureCollect");
+  collect.def("get", &VoidFutureCollect::Get)
+      .def("wait", &VoidFutureCollect::Wait)
+      .def("wait_for", &VoidFutureCollect::WaitFor)
+      .def("is_ready", &VoidFutureCollect::IsReady)
+      .def("valid", &VoidFutureCollect::Valid)
+      .def("devices",
+           [](const c10::intrusive_ptr<VoidFutureCollect>& self) { return self->Devices(); })
+      .def("notify_when_ready", &VoidFutureCollect::NotifyWhenReady)
+      .def("__obj_flatten__",
+           [](const c10::intrusive_ptr<VoidFutureCollect>&) {
+             return std::make_tuple(std::make_tuple(std::string("kind"), std::string("memory")));
+           })
+      .def("__eq__", &SameObject<VoidFutureCollect>)
+      .def("__len__", &NoLength<VoidFutureCollect>);
+  NotPicklable(collect);
 
   // Fulfils `promise` with `input` once the work producing `input` on its current stream is done
   // (at once on CPU). One kernel per device; never waits for other streams.
@@ -110,11 +158,24 @@ TORCH_LIBRARY(dtorch, m) {
   m.def(torch::schema(
       "get_tensor_async(Tensor input) -> __torch__.torch.classes.dtorch.TensorFuture",
       c10::AliasAnalysisKind::CONSERVATIVE));
+  // Returns at once a collect of one VoidFuture per device, each ready when the work queued so
+  // far on that device's current stream is done. None: the devices this process has used.
+  m.def(torch::schema(
+      "sync(Device[]? devices=None) -> __torch__.torch.classes.dtorch.VoidFutureCollect",
+      c10::AliasAnalysisKind::CONSERVATIVE));
+  // Like sync, completing `promise` (which may belong to another process) when all are done.
+  m.def(torch::schema(
+      "sync_into(Device[]? devices, __torch__.torch.classes.dtorch.VoidPromise promise) -> ()",
+      c10::AliasAnalysisKind::CONSERVATIVE));
+  // The blocking sync: returns when the work queued so far on the devices is done.
+  m.def(torch::schema("sync_wait(Device[]? devices=None) -> ()",
+                      c10::AliasAnalysisKind::CONSERVATIVE));
 }
 
 // Kernels. They are registered here, after TORCH_LIBRARY in the same translation unit, because
 // an impl whose signature names a custom class needs that class registered first, and static
 // initialisation order across translation units is unspecified.
+
 // Host memory: the value is ready now (dense, sparse and quantized layouts alike).
 TORCH_LIBRARY_IMPL(dtorch, CPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu); }
 TORCH_LIBRARY_IMPL(dtorch, SparseCPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu); }
@@ -137,17 +198,25 @@ TORCH_LIBRARY_IMPL(dtorch, MPS, m) { m.impl("get_tensor", &dtorch::kernels::get_
 TORCH_LIBRARY_IMPL(dtorch, PrivateUse1, m) {
   m.impl("get_tensor", &dtorch::kernels::get_tensor_device);
 }
-// Explicit, not CompositeImplicitAutograd: the op must stay one node in traced graphs.
+// Explicit, not CompositeImplicitAutograd: each op stays one node in traced graphs. The sync ops
+// have no tensor argument to dispatch on; their kernels pick the per-device sync kernels.
 TORCH_LIBRARY_IMPL(dtorch, CompositeExplicitAutograd, m) {
   m.impl("get_tensor_async", &dtorch::kernels::get_tensor_async);
+  m.impl("sync", &dtorch::kernels::sync);
+  m.impl("sync_into", &dtorch::kernels::sync_into);
+  m.impl("sync_wait", &dtorch::kernels::sync_wait);
 }
 
-// Autocast keys are not fallthrough for ops with custom-class arguments (pytorch#158414): these
-// ops compute nothing, so autocast passes them through unchanged.
-#define DTORCH_AUTOCAST_FALLTHROUGH(key)                                      \
-  TORCH_LIBRARY_IMPL(dtorch, key, m) {                                        \
-    m.impl("get_tensor", torch::CppFunction::makeFallthrough());              \
-    m.impl("get_tensor_async", torch::CppFunction::makeFallthrough());        \
+// Autocast keys are not fallthrough for ops with custom-class arguments (pytorch#158414), and
+// autocast's keys come from thread-local state even for ops without tensors: these ops compute
+// nothing, so autocast passes them through unchanged.
+#define DTORCH_AUTOCAST_FALLTHROUGH(key)                               \
+  TORCH_LIBRARY_IMPL(dtorch, key, m) {                                 \
+    m.impl("get_tensor", torch::CppFunction::makeFallthrough());       \
+    m.impl("get_tensor_async", torch::CppFunction::makeFallthrough()); \
+    m.impl("sync", torch::CppFunction::makeFallthrough());             \
+    m.impl("sync_into", torch::CppFunction::makeFallthrough());        \
+    m.impl("sync_wait", torch::CppFunction::makeFallthrough());        \
   }
 DTORCH_AUTOCAST_FALLTHROUGH(AutocastCPU)
 DTORCH_AUTOCAST_FALLTHROUGH(AutocastCUDA)

@@ -4,9 +4,11 @@
 produces ``t`` has finished (an event on ``t``'s current stream), without blocking Python and
 without synchronising the device. In-process futures alias the input tensor: no copy is made.
 
-Raw ops and classes (TorchScript, C++, torch.compile):
-``torch.ops.dtorch.get_tensor_async``, ``torch.ops.dtorch.get_tensor``,
-``torch.classes.dtorch.TensorFuture``, ``torch.classes.dtorch.TensorPromise``.
+``sync()`` / ``sync_async()`` wait for the work queued so far on each device's current stream.
+
+Raw ops and classes (TorchScript, C++, torch.compile): ``torch.ops.dtorch.get_tensor_async``,
+``get_tensor``, ``sync``, ``sync_into``, ``sync_wait``; ``torch.classes.dtorch.TensorFuture``,
+``TensorPromise``, ``VoidFuture``, ``VoidPromise``, ``VoidFutureCollect``.
 """
 import os as _os
 
@@ -33,8 +35,14 @@ from .config import config  # noqa: E402
 from .futures import (  # noqa: E402
     TensorFuture,
     TensorPromise,
+    VoidFuture,
+    VoidFutureCollect,
+    VoidPromise,
     get_tensor,
     promise_kind_for,
+    sync,
+    sync_async,
+    sync_into,
     to_torch,
     to_torch_async,
 )
@@ -57,11 +65,17 @@ def include_path() -> str:
 __all__ = [
     "TensorFuture",
     "TensorPromise",
+    "VoidFuture",
+    "VoidFutureCollect",
+    "VoidPromise",
     "config",
     "get_tensor",
     "include_path",
     "library_path",
     "promise_kind_for",
+    "sync",
+    "sync_async",
+    "sync_into",
     "to_torch",
     "to_torch_async",
 ]

@@ -11,6 +11,7 @@ import logging
 import sys
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 def _unflatten(cls, flattened):
@@ -53,60 +54,43 @@ def _require_fake_mode(op: str, input) -> None:
         ) from None
 
 
-@torch._library.register_fake_class("dtorch::TensorFuture")
-class FakeTensorFuture:
-    def __init__(self, kind: str):
-        self._kind = kind
-
-    __obj_unflatten__ = classmethod(_unflatten)
-
-    def kind(self) -> str:
-        return self._kind
-
-    def _no_value(self, *args):
-        raise RuntimeError(
-            "dtorch: a TensorFuture has no value while it is being traced; wait on it outside "
-            "the compiled region"
-        )
-
-    get = wait = wait_for = is_ready = valid = notify_when_ready = _no_value
-    __len__, __eq__ = _no_len, _same_object
-
-
-@torch._library.register_fake_class("dtorch::TensorPromise")
-class FakeTensorPromise:
-    def __init__(self, kind: str):
-        self._kind = kind
-
-    __obj_unflatten__ = classmethod(_unflatten)
-
-    def kind(self) -> str:
-        return self._kind
-
-    def _not_traceable(self, *args):
-        raise RuntimeError(
-            "dtorch: TensorPromise methods cannot run inside a traced graph; call "
-            "torch.ops.dtorch.get_tensor(t, promise) there instead"
-        )
-
-    set_value = set_exception = get_future = serialize = _not_traceable
-    __len__, __eq__ = _no_len, _same_object
-
-
-@torch._library.register_fake_class("dtorch::ReadyNotifier")
-class FakeReadyNotifier:
-    """An event loop's wake-up channel; it has no business inside a traced graph."""
+def _register_fake_class(name: str, methods: tuple, why: str):
+    """A fake class for torch.classes.dtorch.<name>: it keeps the kind (its __obj_flatten__), and
+    its other methods refuse, saying `why`: traced code must not depend on these objects' state."""
 
     def __init__(self, kind: str):
         self._kind = kind
 
-    __obj_unflatten__ = classmethod(_unflatten)
+    def refuse(self, *args):
+        raise RuntimeError(f"dtorch: {name} methods cannot run inside a traced graph: {why}")
 
-    def _not_traceable(self, *args):
-        raise RuntimeError("dtorch: a ReadyNotifier cannot be used inside a traced graph")
+    namespace = {
+        "__init__": __init__,
+        "__obj_unflatten__": classmethod(_unflatten),
+        "kind": lambda self: self._kind,
+        "__len__": _no_len,
+        "__eq__": _same_object,
+        **{method: refuse for method in methods},
+    }
+    fake = type(f"Fake{name}", (), namespace)
+    torch._library.register_fake_class(f"dtorch::{name}")(fake)
+    return fake
 
-    fileno = drain = _not_traceable
-    __len__, __eq__ = _no_len, _same_object
+
+_WAIT_OUTSIDE = "wait on the future outside the compiled region"
+_USE_OPS = "call the ops (get_tensor, sync_into) with the promise there instead"
+for _name in ("TensorFuture", "VoidFuture"):
+    _register_fake_class(
+        _name, ("get", "wait", "wait_for", "is_ready", "valid", "notify_when_ready"),
+        _WAIT_OUTSIDE)
+for _name in ("TensorPromise", "VoidPromise"):
+    _register_fake_class(_name, ("set_value", "set_exception", "get_future", "serialize"),
+                         _USE_OPS)
+_register_fake_class(
+    "VoidFutureCollect",
+    ("get", "wait", "wait_for", "is_ready", "valid", "devices", "notify_when_ready"),
+    _WAIT_OUTSIDE)
+_register_fake_class("ReadyNotifier", ("fileno", "drain"), "it belongs to an event loop")
 
 
 @torch.library.register_fake("dtorch::get_tensor")
@@ -129,6 +113,41 @@ def _get_tensor_async_fake(input):
         "no value"
     )
     return future
+
+
+@torch.library.register_fake("dtorch::sync")
+def _sync_fake(devices=None):
+    # As for get_tensor_async, the output must be a real object of the schema's class: a collect
+    # over no devices (it waits for nothing and touches no device).
+    with _disable_current_modes():
+        return torch.ops.dtorch.sync.default([])
+
+
+@torch.library.register_fake("dtorch::sync_into")
+def _sync_into_fake(devices, promise):
+    return None
+
+
+@torch.library.register_fake("dtorch::sync_wait")
+def _sync_wait_fake(devices=None):
+    return None
+
+
+def _register_ordered_effect(qualname: str) -> None:
+    """Marks an op with side effects but no script-object argument (those are ordered effects
+    already) as an ordered effect: compiled graphs keep it and do not reorder it."""
+    try:  # torch >= 2.12
+        from torch._library.effects import EffectType
+
+        torch.library._register_effectful_op(qualname, EffectType.ORDERED)
+    except (ImportError, AttributeError):  # torch 2.11
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+        _register_effectful_op(getattr(torch.ops.dtorch, qualname.split("::")[1]).default,
+                               _EffectType.ORDERED)
+
+
+_register_ordered_effect("dtorch::sync_wait")
 
 
 def _reject_dtensor(cls, func, types, args=(), kwargs=None):

@@ -10,8 +10,7 @@ import torch
 
 from .config import config
 
-_FUTURE_QUALNAME = "__torch__.torch.classes.dtorch.TensorFuture"
-_PROMISE_QUALNAME = "__torch__.torch.classes.dtorch.TensorPromise"
+_QUALNAME_PREFIX = "__torch__.torch.classes.dtorch."
 
 # A blocking get() waits in slices of this length so that Python signal handlers (Ctrl-C) still
 # run; each slice is one wait in C++ with the GIL released, so waiting costs no CPU.
@@ -19,15 +18,16 @@ _GET_SLICE_MS = 100
 
 # The raw wait's timeout message starts with this (csrc/core/future_error.h: "dtorch: <code>: ").
 _RAW_TIMEOUT_PREFIX = "dtorch: timed out:"
+_TIMED_OUT = object()
 
 
 def _raw_wait(raw, timeout_ms: int):
-    """raw.wait(timeout_ms): the value, or None on timeout (one call into C++ either way)."""
+    """raw.wait(timeout_ms): the value, or _TIMED_OUT (one call into C++ either way)."""
     try:
         return raw.wait(timeout_ms)
     except RuntimeError as e:
         if str(e).startswith(_RAW_TIMEOUT_PREFIX):
-            return None
+            return _TIMED_OUT
         raise
 
 
@@ -98,27 +98,24 @@ def _is_dtensor(t) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-class TensorFuture:
-    """The consumer's end of a tensor promise/future pair.
+class _Waitable:
+    """get / wait / is_ready / valid / await over a raw dtorch future (its class: _RAW_CLASS)."""
 
-    Wraps the raw ``torch.classes.dtorch.TensorFuture`` that the ops return:
-    ``TensorFuture(torch.ops.dtorch.get_tensor_async(x))``. ``get()`` consumes the future
-    (``valid()`` is False afterwards), like ``std::future``. Blocking calls release the GIL.
-    Thread-safe.
-    """
+    _RAW_CLASS = ""
+    _PRODUCED_BY = ""
 
     def __init__(self, raw):
-        if isinstance(raw, TensorFuture):
+        if isinstance(raw, type(self)):
             raw = raw._raw
-        if _qualname(raw) != _FUTURE_QUALNAME:
+        if _qualname(raw) != _QUALNAME_PREFIX + self._RAW_CLASS:
             raise TypeError(
-                "dtorch_ops.TensorFuture wraps a torch.classes.dtorch.TensorFuture (the result of "
-                f"torch.ops.dtorch.get_tensor_async), got {type(raw).__name__}"
+                f"dtorch_ops.{type(self).__name__} wraps a torch.classes.dtorch.{self._RAW_CLASS} "
+                f"(the result of {self._PRODUCED_BY}), got {type(raw).__name__}"
             )
         self._raw = raw
 
     @classmethod
-    def _wrap(cls, raw) -> "TensorFuture":
+    def _wrap(cls, raw):
         """Wraps a raw future known to be one (skips the type check on hot paths)."""
         future = cls.__new__(cls)
         future._raw = raw
@@ -129,13 +126,13 @@ class TensorFuture:
         """The underlying script object (for TorchScript and torch.ops calls)."""
         return self._raw
 
-    def get(self) -> torch.Tensor:
+    def get(self):
         """Blocks until the value is ready and returns it; consumes the future."""
-        while (value := _raw_wait(self._raw, _GET_SLICE_MS)) is None:
+        while (value := _raw_wait(self._raw, _GET_SLICE_MS)) is _TIMED_OUT:
             pass
         return value
 
-    def wait(self, timeout_ms: int) -> torch.Tensor:
+    def wait(self, timeout_ms: int):
         """Returns the value like get() if it is ready within timeout_ms.
 
         Raises TimeoutError otherwise; the future stays valid and can be waited on again.
@@ -144,12 +141,20 @@ class TensorFuture:
         if timeout_ms < 0:
             raise ValueError(f"timeout_ms must be >= 0, got {timeout_ms}")
         value = _raw_wait(self._raw, timeout_ms)
-        if value is None:
+        if value is _TIMED_OUT:
             raise TimeoutError(
-                f"dtorch: the tensor was not ready within {timeout_ms} ms; the future is still "
+                f"dtorch: the value was not ready within {timeout_ms} ms; the future is still "
                 "valid, wait again"
             )
         return value
+
+    def is_ready(self) -> bool:
+        """True when get() would not block (a value or an error is there). Never blocks."""
+        return self._raw.is_ready()
+
+    def valid(self) -> bool:
+        """False once get() or wait() has taken the value."""
+        return self._raw.valid()
 
     def __await__(self):
         """``await future``: suspends the coroutine (not the loop) until the value is ready.
@@ -160,58 +165,93 @@ class TensorFuture:
         yield from _await_ready(self._raw).__await__()
         return self._raw.get()
 
-    def is_ready(self) -> bool:
-        """True when get() would not block (a value or an error is there). Never blocks."""
-        return self._raw.is_ready()
+    def __reduce__(self):
+        raise TypeError(
+            f"dtorch: a {type(self).__name__} cannot be pickled; send the promise to the "
+            "producer instead"
+        )
 
-    def valid(self) -> bool:
-        """False once get() or wait() has taken the value."""
-        return self._raw.valid()
+    def _state(self) -> str:
+        if not self._raw.valid():
+            return "consumed"
+        return "ready" if self._raw.is_ready() else "pending"
+
+
+class TensorFuture(_Waitable):
+    """The consumer's end of a tensor promise/future pair.
+
+    Wraps the raw ``torch.classes.dtorch.TensorFuture`` that the ops return:
+    ``TensorFuture(torch.ops.dtorch.get_tensor_async(x))``. ``get()`` consumes the future
+    (``valid()`` is False afterwards), like ``std::future``. Blocking calls release the GIL.
+    Thread-safe.
+    """
+
+    _RAW_CLASS = "TensorFuture"
+    _PRODUCED_BY = "torch.ops.dtorch.get_tensor_async"
 
     def kind(self) -> str:
         return self._raw.kind()
 
-    def __reduce__(self):
-        raise TypeError(
-            "dtorch: a TensorFuture cannot be pickled; send the promise to the producer instead"
-        )
+    def __repr__(self) -> str:
+        return f"dtorch_ops.TensorFuture(kind={self._raw.kind()!r}, {self._state()})"
+
+
+class VoidFuture(_Waitable):
+    """A completion signal without a value: get() and wait() return None. Otherwise like
+    TensorFuture (consumed by get(), errors and broken promises raised, awaitable)."""
+
+    _RAW_CLASS = "VoidFuture"
+    _PRODUCED_BY = "torch.classes.dtorch.VoidPromise.get_future"
+
+    def kind(self) -> str:
+        return self._raw.kind()
 
     def __repr__(self) -> str:
-        if not self._raw.valid():
-            state = "consumed"
-        else:
-            state = "ready" if self._raw.is_ready() else "pending"
-        return f"dtorch_ops.TensorFuture(kind={self._raw.kind()!r}, {state})"
+        return f"dtorch_ops.VoidFuture(kind={self._raw.kind()!r}, {self._state()})"
 
 
-class TensorPromise:
-    """The producer's end: ``set_value(t)`` once, or ``set_exception(message)``.
+class VoidFutureCollect(_Waitable):
+    """One VoidFuture per device of a sync, awaited as one (the result of sync_async).
 
-    ``kind="memory"`` pairs live in one process. Destroying a promise without setting it makes
-    its future fail with "broken promise". Thread-safe.
+    Ready when every device is; get() raises the error of the first device (in devices() order)
+    that failed, naming it. wait(timeout_ms) bounds the wait for all devices together.
     """
 
+    _RAW_CLASS = "VoidFutureCollect"
+    _PRODUCED_BY = "torch.ops.dtorch.sync"
+
+    def devices(self) -> list[torch.device]:
+        return list(self._raw.devices())
+
+    def __repr__(self) -> str:
+        names = ", ".join(str(d) for d in self._raw.devices())
+        return f"dtorch_ops.VoidFutureCollect([{names}], {self._state()})"
+
+
+class _PromiseBase:
+    """set_value once, or set_exception; get_future once; pickling through serialize()."""
+
+    _RAW_CLASS = ""
+    _FUTURE = _Waitable
+
     def __init__(self, kind: str = "memory"):
-        if _qualname(kind) == _PROMISE_QUALNAME:  # wrap an existing raw promise
+        if _qualname(kind) == _QUALNAME_PREFIX + self._RAW_CLASS:  # wrap an existing raw promise
             self._raw = kind
             return
         if not isinstance(kind, str):
             raise TypeError(f"kind must be a str ('memory', 'file', 'network'), got {kind!r}")
-        self._raw = torch.classes.dtorch.TensorPromise(kind)
+        self._raw = getattr(torch.classes.dtorch, self._RAW_CLASS)(kind)
 
     @classmethod
-    def for_tensor(cls, t: torch.Tensor, per_device_per_process: bool | None = None):
-        """A promise of the kind promise_kind_for(t) advises."""
-        return cls(promise_kind_for(t, per_device_per_process))
-
-    @classmethod
-    def from_serialized(cls, s: str) -> "TensorPromise":
+    def from_serialized(cls, s: str):
         """Rebuilds a promise that another process serialized (kinds that cross processes)."""
         if not isinstance(s, str):
-            raise TypeError(f"from_serialized expects the str from serialize(), got {type(s).__name__}")
+            raise TypeError(
+                f"from_serialized expects the str from serialize(), got {type(s).__name__}")
         raise ValueError(
-            f"dtorch: cannot restore a TensorPromise from {s[:80]!r}: no promise kind that crosses "
-            "processes is available in this build (memory promises cannot leave the process)"
+            f"dtorch: cannot restore a {cls.__name__} from {s[:80]!r}: no promise kind that "
+            "crosses processes is available in this build (memory promises cannot leave the "
+            "process)"
         )
 
     @property
@@ -219,17 +259,12 @@ class TensorPromise:
         """The underlying script object (for TorchScript and torch.ops calls)."""
         return self._raw
 
-    def get_future(self) -> TensorFuture:
+    def get_future(self):
         """The consumer's end; a promise has exactly one future."""
-        return TensorFuture._wrap(self._raw.get_future())
-
-    def set_value(self, t: torch.Tensor) -> None:
-        """Fulfils the promise with t (no copy). A second set raises; the first value stays."""
-        _check_local_tensor(t, "TensorPromise.set_value")
-        self._raw.set_value(t)
+        return self._FUTURE._wrap(self._raw.get_future())
 
     def set_exception(self, message: str) -> None:
-        """Fails the future: its get()/wait() raise an error carrying message."""
+        """Fails the future: its get()/wait()/await raise an error carrying message."""
         self._raw.set_exception(str(message))
 
     def kind(self) -> str:
@@ -240,20 +275,53 @@ class TensorPromise:
         return self._raw.serialize()
 
     def __reduce__(self):
-        return (TensorPromise.from_serialized, (self.serialize(),))
+        return (type(self).from_serialized, (self.serialize(),))
 
     def __repr__(self) -> str:
-        return f"dtorch_ops.TensorPromise(kind={self._raw.kind()!r})"
+        return f"dtorch_ops.{type(self).__name__}(kind={self._raw.kind()!r})"
 
 
-def _raw_promise(promise):
-    if isinstance(promise, TensorPromise):
+class TensorPromise(_PromiseBase):
+    """The producer's end: ``set_value(t)`` once, or ``set_exception(message)``.
+
+    ``kind="memory"`` pairs live in one process. Destroying a promise without setting it makes
+    its future fail with "broken promise". Thread-safe.
+    """
+
+    _RAW_CLASS = "TensorPromise"
+    _FUTURE = TensorFuture
+
+    @classmethod
+    def for_tensor(cls, t: torch.Tensor, per_device_per_process: bool | None = None):
+        """A promise of the kind promise_kind_for(t) advises."""
+        return cls(promise_kind_for(t, per_device_per_process))
+
+    def set_value(self, t: torch.Tensor) -> None:
+        """Fulfils the promise with t (no copy). A second set raises; the first value stays."""
+        _check_local_tensor(t, "TensorPromise.set_value")
+        self._raw.set_value(t)
+
+
+class VoidPromise(_PromiseBase):
+    """A completion signal's producer end: ``set_value()`` once, or ``set_exception(message)``
+    (``sync_into`` fulfils one when devices are done). Thread-safe."""
+
+    _RAW_CLASS = "VoidPromise"
+    _FUTURE = VoidFuture
+
+    def set_value(self) -> None:
+        """Signals completion. A second set raises."""
+        self._raw.set_value()
+
+
+def _raw_promise(promise, wrapper=TensorPromise):
+    if isinstance(promise, wrapper):
         return promise._raw
-    if _qualname(promise) == _PROMISE_QUALNAME:
+    if _qualname(promise) == _QUALNAME_PREFIX + wrapper._RAW_CLASS:
         return promise
     raise TypeError(
-        "dtorch_ops.get_tensor expects a dtorch_ops.TensorPromise (or a raw "
-        f"torch.classes.dtorch.TensorPromise), got {type(promise).__name__}"
+        f"expected a dtorch_ops.{wrapper.__name__} (or a raw torch.classes.dtorch."
+        f"{wrapper._RAW_CLASS}), got {type(promise).__name__}"
     )
 
 
@@ -290,3 +358,32 @@ def promise_kind_for(t: torch.Tensor, per_device_per_process: bool | None = None
     if t.device.type == "cpu":
         return "memory"
     return "file" if per_device_per_process else "memory"
+
+
+def _device_list(devices):
+    """None, a device (str, int, torch.device) or a sequence of them -> None or [torch.device]."""
+    if devices is None:
+        return None
+    if isinstance(devices, (str, int, torch.device)):
+        devices = [devices]
+    return [torch.device(d) for d in devices]
+
+
+def sync(devices=None) -> None:
+    """Blocks (GIL released) until the work queued so far on each device's current stream is done.
+
+    devices: a device, a list of devices, or None for the devices this process has used (the
+    accelerators with a context; CPU when there is none). Only the current stream of each device
+    is waited for; the device is not synchronised as a whole.
+    """
+    torch.ops.dtorch.sync_wait.default(_device_list(devices))
+
+
+def sync_async(devices=None) -> VoidFutureCollect:
+    """Like sync(), but returns at once an awaitable VoidFutureCollect (get / wait / await)."""
+    return VoidFutureCollect._wrap(torch.ops.dtorch.sync.default(_device_list(devices)))
+
+
+def sync_into(devices, promise) -> None:
+    """Fulfils a VoidPromise (it may belong to another process) when the devices are done."""
+    torch.ops.dtorch.sync_into.default(_device_list(devices), _raw_promise(promise, VoidPromise))

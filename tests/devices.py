@@ -22,11 +22,22 @@ class SimDev:
         with simdev.stream(torch.ops.simdev.new_stream()):
             yield
 
+    @contextlib.contextmanager
+    def busy(self):
+        """The current stream is busy (work queued after this waits) until the block ends."""
+        gate = torch.ops.simdev.hold()
+        try:
+            yield
+        finally:
+            torch.ops.simdev.release(gate)
+
     def synchronize(self):
         torch.ops.simdev.synchronize()
 
-    def live_allocations(self):
-        return torch.ops.simdev.live_allocations()
+    def track(self, tensor):
+        """A callable telling whether tensor's memory is still allocated (not freed)."""
+        address = tensor.data_ptr()
+        return lambda: torch.ops.simdev.is_allocated(address)
 
     def fail(self, message):
         torch.ops.simdev.fail(message)
@@ -55,11 +66,23 @@ class Cuda:
         with torch.cuda.stream(torch.cuda.Stream()):
             yield
 
+    @contextlib.contextmanager
+    def busy(self):
+        """The current stream is busy for the block (a long kernel: CUDA has no gate)."""
+        self.sleep(2000)
+        yield
+
     def synchronize(self):
         torch.cuda.synchronize()
 
-    def live_allocations(self):
-        return torch.cuda.memory_allocated()
+    def track(self, tensor):
+        """A callable telling whether tensor's memory is still allocated (not freed).
+
+        The caching allocator does not say per block: compare the bytes in use with what was in
+        use besides this (large) tensor."""
+        others = torch.cuda.memory_allocated() - tensor.untyped_storage().nbytes()
+        half = tensor.untyped_storage().nbytes() // 2
+        return lambda: torch.cuda.memory_allocated() - others > half
 
     def fail(self, message):
         raise NotImplementedError

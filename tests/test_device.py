@@ -4,6 +4,7 @@ returns at once, and a library poller thread fulfils the promise when the event 
 Runs on the simulated asynchronous device (tests/simdev, always) and on CUDA when present: the
 same tests, parametrized over the available devices."""
 import asyncio
+import contextlib
 import gc
 import os
 import threading
@@ -66,13 +67,13 @@ def test_raw_op_and_promise_on_the_device(dev):
 
 
 def test_other_streams_are_not_waited_for(dev):
-    with dev.side_stream():
-        dev.sleep(1000)
-    y = torch.ones(4, device=dev.name) * 5  # on the current stream, not the busy one
-    start = time.perf_counter()
-    value = dtorch_ops.to_torch_async(y).wait(WAIT_MS)
-    assert time.perf_counter() - start < 0.5, "waited for the other stream"
-    assert torch.equal(value.cpu(), torch.full((4,), 5.0))
+    with contextlib.ExitStack() as side_busy:
+        with dev.side_stream():
+            side_busy.enter_context(dev.busy())  # the side stream stays busy until the end
+        y = torch.ones(4, device=dev.name) * 5  # on the current stream
+        # Ready long before the side stream is: waiting for it would time out here.
+        value = dtorch_ops.to_torch_async(y).wait(1000)
+        assert torch.equal(value.cpu(), torch.full((4,), 5.0))
 
 
 def test_work_queued_before_on_the_same_stream_is_waited_for(dev):
@@ -87,12 +88,12 @@ def test_ten_thousand_pending_futures_use_a_bounded_number_of_threads(dev):
     warm.wait(WAIT_MS)
     dev.synchronize()
     threads_before = _os_threads()
-    dev.sleep(300)
-    xs = [torch.full((1,), float(i), device=dev.name) for i in range(10_000)]
-    futures = [dtorch_ops.to_torch_async(x) for x in xs]
-    assert not futures[0].is_ready()
-    added = _os_threads() - threads_before
-    assert added <= 2, f"{added} threads for 10k pending futures on one stream"
+    with dev.busy():
+        xs = [torch.full((1,), float(i), device=dev.name) for i in range(10_000)]
+        futures = [dtorch_ops.to_torch_async(x) for x in xs]
+        assert not futures[0].is_ready()
+        added = _os_threads() - threads_before
+        assert added <= 2, f"{added} threads for 10k pending futures on one stream"
     values = torch.cat([f.wait(WAIT_MS).cpu() for f in futures])
     assert torch.equal(values, torch.arange(10_000, dtype=torch.float32))
 
@@ -121,18 +122,17 @@ def test_an_awaiting_coroutine_wakes_when_the_device_finishes(dev):
 
 
 def test_dropping_the_future_before_completion_keeps_the_tensor_alive(dev):
+    with dev.busy():
+        y = torch.ones(1 << 22, device=dev.name) * 2  # 16 MiB
+        allocated = dev.track(y)
+        fut = dtorch_ops.to_torch_async(y)
+        del fut, y
+        gc.collect()
+        # The pending completion still owns the tensor: its memory is not freed (or reused)
+        # while the device may still write it.
+        assert allocated()
     dev.synchronize()
-    baseline = dev.live_allocations()
-    dev.sleep(200)
-    y = torch.ones(1 << 16, device=dev.name) * 2
-    fut = dtorch_ops.to_torch_async(y)
-    del fut, y
-    gc.collect()
-    # The pending completion still owns the tensor: its memory is not freed (or reused) while the
-    # device may still write it.
-    assert dev.live_allocations() > baseline
-    dev.synchronize()
-    assert _wait_until(lambda: dev.live_allocations() == baseline), "the tensor leaked"
+    assert _wait_until(lambda: not allocated()), "the tensor leaked"
 
 
 def test_device_errors_reach_the_waiter(dev):

@@ -23,6 +23,9 @@
 
 namespace dtorch::core {
 
+// The value of a completion-only pair (VoidPromise / VoidFuture).
+struct Unit {};
+
 template <typename T>
 class FutureBackend {
  public:

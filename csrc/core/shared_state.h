@@ -30,6 +30,10 @@
 
 namespace dtorch::core {
 
+// The longest wait: timeouts beyond 2^40 ms (~34 years) are clamped, since larger ones overflow
+// the clock arithmetic of std::condition_variable.
+inline constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
+
 template <typename T>
 class SharedState {
  public:
@@ -88,8 +92,8 @@ class SharedState {
     return TakeLocked();
   }
 
-  // Blocks for up to timeout_ms (0 = poll); returns whether the state is complete. Never consumes.
-  // Timeouts beyond kMaxTimeoutMs are clamped (2^40 ms, ~34 years): larger ones would overflow the clock.
+  // Blocks for up to timeout_ms (0 = poll; clamped to kMaxTimeoutMs); returns whether the state
+  // is complete. Never consumes.
   bool WaitFor(int64_t timeout_ms) const {
     std::unique_lock<std::mutex> lock(mu_);
     ThrowIfRetrievedLocked();
@@ -97,7 +101,6 @@ class SharedState {
     return cv_.wait_for(lock, timeout, [this] { return ready_; });
   }
 
-  static constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
 
   bool IsReady() const {
     std::lock_guard<std::mutex> lock(mu_);

@@ -4,7 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "tensor_promise_future.h"
+#include "futures.h"
 
 namespace dtorch {
 

@@ -38,6 +38,13 @@ def _device_module():
     module.is_initialized = lambda: True
     module._lazy_init = lambda: None
     module.synchronize = lambda device=None: torch.ops.simdev.synchronize()
+    # simdev has no random number generator; torch.random.fork_rng (used by AOT tracing) asks
+    # every registered device module for its state.
+    module.get_rng_state = lambda device="simdev": torch.empty(0, dtype=torch.uint8)
+    module.set_rng_state = lambda new_state, device="simdev": None
+    module.manual_seed = module.manual_seed_all = lambda seed: None
+    module.initial_seed = lambda: 0
+    module._is_in_bad_fork = lambda: False
     return module
 
 

@@ -10,6 +10,7 @@
 // live allocation count.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/ops/as_strided_cpu_dispatch.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/Allocator.h>
@@ -26,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -164,17 +166,24 @@ struct Event {
 
 // ---- allocator ----
 
-std::atomic<int64_t> live_allocations{0};
+std::mutex live_mu;
+std::set<uintptr_t> live;  // guarded by live_mu: addresses of allocations not yet freed
 
 struct SimAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     void* data = nbytes ? std::malloc(nbytes) : nullptr;
     TORCH_CHECK(!nbytes || data, "simdev: out of memory allocating ", nbytes, " bytes");
-    if (data) ++live_allocations;
+    if (data) {
+      std::lock_guard<std::mutex> lock(live_mu);
+      live.insert(reinterpret_cast<uintptr_t>(data));
+    }
     return {data, data, &Free, c10::Device(kType, 0)};
   }
   static void Free(void* data) {
-    if (data) --live_allocations;
+    if (data) {
+      std::lock_guard<std::mutex> lock(live_mu);
+      live.erase(reinterpret_cast<uintptr_t>(data));
+    }
     std::free(data);
   }
   c10::DeleterFnPtr raw_deleter() const override { return &Free; }
@@ -279,6 +288,18 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, SimGuardImpl);
 
+// Hooks: tell torch (and dtorch's sync(devices=None)) whether this process has used the device.
+struct SimHooks final : at::PrivateUse1HooksInterface {
+  bool hasPrimaryContext(c10::DeviceIndex) const override {
+    return Runtime::Get().StreamCount() > 0;
+  }
+};
+
+const bool hooks_registered = [] {
+  at::RegisterPrivateUse1HooksInterface(new SimHooks());
+  return true;
+}();
+
 // ---- kernels ----
 
 // A CPU tensor over the same memory (built on the worker thread, when the kernel runs).
@@ -362,6 +383,34 @@ void sleep_kernel(int64_t ms) {
   CurrentWorker().Enqueue([ms] { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); });
 }
 
+// Gates: a kernel that waits until the test opens its gate (deterministic "busy device").
+std::mutex gate_mu;
+std::condition_variable gate_cv;
+std::set<int64_t> closed_gates;  // guarded by gate_mu
+int64_t next_gate = 0;           // guarded by gate_mu
+
+int64_t hold_kernel() {
+  int64_t gate;
+  {
+    std::lock_guard<std::mutex> lock(gate_mu);
+    gate = next_gate++;
+    closed_gates.insert(gate);
+  }
+  CurrentWorker().Enqueue([gate] {
+    std::unique_lock<std::mutex> lock(gate_mu);
+    gate_cv.wait(lock, [gate] { return closed_gates.count(gate) == 0; });
+  });
+  return gate;
+}
+
+void release_gate(int64_t gate) {
+  {
+    std::lock_guard<std::mutex> lock(gate_mu);
+    closed_gates.erase(gate);
+  }
+  gate_cv.notify_all();
+}
+
 void fail_kernel(const std::string& message) {
   CurrentWorker().Enqueue([message]() { throw std::runtime_error(message); });
 }
@@ -378,7 +427,10 @@ int64_t get_stream() { return current_stream; }
 
 void synchronize() { Runtime::Get().SynchronizeAll(); }
 
-int64_t live_allocations_op() { return live_allocations.load(); }
+bool is_allocated(int64_t address) {
+  std::lock_guard<std::mutex> lock(live_mu);
+  return live.count(static_cast<uintptr_t>(address)) > 0;
+}
 
 int64_t stream_count() { return static_cast<int64_t>(Runtime::Get().StreamCount()); }
 
@@ -399,6 +451,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 TORCH_LIBRARY(simdev, m) {
   // A kernel on the current stream that takes `ms` milliseconds.
   m.def("sleep(int ms) -> ()", &simdev::sleep_kernel);
+  // A kernel on the current stream that waits until release(gate) is called; returns the gate.
+  m.def("hold() -> int", &simdev::hold_kernel);
+  m.def("release(int gate) -> ()", &simdev::release_gate);
   // A kernel on the current stream that faults; the stream's later events report the fault.
   m.def("fail(str message) -> ()", &simdev::fail_kernel);
   m.def("new_stream() -> int", &simdev::new_stream);
@@ -406,6 +461,7 @@ TORCH_LIBRARY(simdev, m) {
   m.def("set_stream(int id) -> int", &simdev::set_stream);
   m.def("get_stream() -> int", &simdev::get_stream);
   m.def("synchronize() -> ()", &simdev::synchronize);
-  m.def("live_allocations() -> int", &simdev::live_allocations_op);
+  // Whether the allocation starting at `address` (a data_ptr()) has not been freed yet.
+  m.def("is_allocated(int address) -> bool", &simdev::is_allocated);
   m.def("stream_count() -> int", &simdev::stream_count);
 }

@@ -1,0 +1,157 @@
+// Promise/future pairs as TorchScript custom classes (torch.classes.dtorch.*) and as the C++ API:
+//   TensorPromise / TensorFuture   carry a tensor (get_tensor fulfils the promise);
+//   VoidPromise / VoidFuture       carry only completion (sync fulfils them);
+//   VoidFutureCollect              several VoidFutures, one per device, awaited as one;
+//   ReadyNotifier                  an event loop's wake-up channel (asyncio `await`).
+//
+// A promise is the producer's end; get_future() hands out its single consumer end. Both are thin,
+// thread-safe handles over a core backend of one kind ("memory": same process). Both are held by
+// intrusive_ptr, so a kernel that still has to fulfil a promise keeps it alive; when the last
+// reference to an unfulfilled promise goes, its future fails with "broken promise".
+//
+// Values: a TensorFuture yields the tensor the producer set, not a copy (it aliases the input of
+// get_tensor).
+//
+// Errors surface as c10::Error ("dtorch: <cause>: <detail>"): RuntimeError in Python and
+// TorchScript. dtorch_ops' Python wrappers map a timeout to Python's TimeoutError.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/custom_class.h>
+
+#include "../core/promise_future.h"
+#include "../core/ready_notifier.h"
+
+namespace dtorch {
+
+// torch.classes.dtorch.ReadyNotifier: an event loop's wake-up channel (see core/ready_notifier.h).
+// One per asyncio loop, created by dtorch_ops; futures post tokens to it when they complete.
+class ReadyNotifier : public torch::CustomClassHolder {
+ public:
+  static constexpr const char* kClassName = "ReadyNotifier";
+  ReadyNotifier() : core_(std::make_shared<core::ReadyNotifier>()) {}
+  int64_t FileNo() const { return core_->fd(); }
+  std::vector<int64_t> Drain() { return core_->Drain(); }
+  // Shared with pending completion callbacks, which keep the eventfd open.
+  const std::shared_ptr<core::ReadyNotifier>& core() const { return core_; }
+
+ private:
+  const std::shared_ptr<core::ReadyNotifier> core_;
+};
+
+template <typename T>
+struct PairNames;
+template <>
+struct PairNames<at::Tensor> {
+  static constexpr const char* kFuture = "TensorFuture";
+  static constexpr const char* kPromise = "TensorPromise";
+};
+template <>
+struct PairNames<core::Unit> {
+  static constexpr const char* kFuture = "VoidFuture";
+  static constexpr const char* kPromise = "VoidPromise";
+};
+
+template <typename T>
+class Future : public torch::CustomClassHolder {
+ public:
+  static constexpr const char* kClassName = PairNames<T>::kFuture;
+  Future(std::unique_ptr<core::FutureBackend<T>> backend, std::string kind);
+
+  // Blocks until the value is ready and returns it; consumes the future (Valid() is false after).
+  T Get();
+  // Like Get() if the value arrives within timeout_ms; otherwise throws ("dtorch: timed out")
+  // and the future stays valid.
+  T Wait(int64_t timeout_ms);
+  // Blocks up to timeout_ms; true once ready (value or error). Never consumes.
+  bool WaitFor(int64_t timeout_ms) const;
+  bool IsReady() const;
+  bool Valid() const;
+  const std::string& Kind() const { return kind_; }
+  // Runs callback once when the value (or an error) is ready, on the completing thread, or at once
+  // if it already is. For event-loop integration; callback must be cheap and must not block.
+  void OnReady(std::function<void()> callback);
+  // Posts `token` to `notifier` once this future is ready (at once if it is): how an event loop
+  // awaits it (dtorch_ops' __await__). Never consumes.
+  void NotifyWhenReady(const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token);
+
+ private:
+  const std::unique_ptr<core::FutureBackend<T>> backend_;
+  const std::string kind_;
+};
+
+template <typename T>
+class Promise : public torch::CustomClassHolder {
+ public:
+  static constexpr const char* kClassName = PairNames<T>::kPromise;
+  // kind: "memory" (same process). Other kinds throw a clear error until they are built.
+  explicit Promise(const std::string& kind);
+
+  // Fulfils the promise; a second completion throws and the first value is kept.
+  void SetValue(T value);
+  void SetException(const std::string& message);
+  // The consumer's end; callable once.
+  c10::intrusive_ptr<Future<T>> GetFuture();
+  const std::string& Kind() const { return kind_; }
+  // True once a value or an exception was set.
+  bool IsSatisfied() const { return backend_->IsSatisfied(); }
+  // A string another process can turn back into this promise. Memory promises cannot leave the
+  // process and throw.
+  std::string Serialize() const;
+
+ private:
+  const std::string kind_;
+  const std::unique_ptr<core::PromiseBackend<T>> backend_;
+};
+
+using TensorFuture = Future<at::Tensor>;
+using TensorPromise = Promise<at::Tensor>;
+using VoidFuture = Future<core::Unit>;
+using VoidPromise = Promise<core::Unit>;
+
+extern template class Future<at::Tensor>;
+extern template class Future<core::Unit>;
+extern template class Promise<at::Tensor>;
+extern template class Promise<core::Unit>;
+
+// The VoidFutures of one sync, one per device, awaited as one: ready when all are; Get() raises
+// the error of the first device (in `devices` order) that failed, naming it. Thread-safe.
+class VoidFutureCollect : public torch::CustomClassHolder {
+ public:
+  static constexpr const char* kClassName = "VoidFutureCollect";
+  VoidFutureCollect(std::vector<c10::Device> devices,
+                    std::vector<c10::intrusive_ptr<VoidFuture>> futures);
+
+  // Blocks until every device is done; consumes. Throws "dtorch: sync on <device> failed: ...".
+  void Get();
+  // Like Get() within timeout_ms (for all devices together); otherwise throws ("timed out") and
+  // stays valid.
+  void Wait(int64_t timeout_ms);
+  bool WaitFor(int64_t timeout_ms) const;
+  bool IsReady() const;
+  bool Valid() const;
+  const std::vector<c10::Device>& Devices() const { return devices_; }
+  // Runs callback once every device is done (or failed); see Future::OnReady.
+  void OnReady(std::function<void()> callback);
+  void NotifyWhenReady(const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token);
+
+ private:
+  const std::vector<c10::Device> devices_;
+  const std::vector<c10::intrusive_ptr<VoidFuture>> futures_;
+  std::atomic<bool> consumed_{false};
+};
+
+// The promise kind for a pair whose promise a worker will fulfil with `tensor`: CPU -> "memory";
+// a device tensor with per_device_per_process -> "file" (one worker process per device);
+// otherwise "memory".
+std::string PromiseKindFor(const at::Tensor& tensor, bool per_device_per_process);
+
+}  // namespace dtorch

@@ -1,0 +1,142 @@
+#include "sync.h"
+
+#include <string>
+#include <utility>
+
+#include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include "device_completion.h"
+
+namespace dtorch {
+namespace {
+
+// A device the caller named, checked and with its index filled in (the current one if absent).
+c10::Device Resolve(const c10::Device& device) {
+  if (device.is_cpu()) return c10::Device(c10::kCPU);
+  const std::string type = c10::DeviceTypeName(device.type(), /*lower_case=*/true);
+  TORCH_CHECK(c10::impl::hasDeviceGuardImpl(device.type()), "dtorch: sync: cannot sync ", device,
+              ": this torch build has no ", type, " support");
+  c10::impl::VirtualGuardImpl guard(device.type());
+  const auto count = guard.deviceCount();
+  const auto index = device.has_index() ? device.index() : guard.getDevice().index();
+  TORCH_CHECK(index < count, "dtorch: sync: device ", device, " does not exist: this process sees ",
+              static_cast<int>(count), " ", type, " device(s)");
+  return c10::Device(device.type(), index);
+}
+
+// The CPU sync kernel: CPU work is done when the op runs.
+void SyncCpu(const c10::intrusive_ptr<VoidPromise>& promise) { promise->SetValue({}); }
+
+// The device sync kernel: complete once the device's current stream reaches this point.
+void SyncDevice(const c10::Device& device, const c10::intrusive_ptr<VoidPromise>& promise) {
+  AfterCurrentStreamWork(device, [promise](const std::optional<std::string>& error) {
+    try {
+      if (error) {
+        promise->SetException(*error);
+      } else {
+        promise->SetValue({});
+      }
+    } catch (...) {
+      // Cannot happen: the promise is ours alone. Never let it escape a poller thread.
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<c10::Device> UsedDevices() {
+  std::vector<c10::Device> used;
+  for (const auto type : {c10::kCUDA, c10::kXPU, c10::kPrivateUse1}) {
+    if (!c10::impl::hasDeviceGuardImpl(type)) continue;
+    const auto count = c10::impl::VirtualGuardImpl(type).deviceCount();
+    for (c10::DeviceIndex index = 0; index < count; ++index) {
+      bool has_context = false;
+      try {
+        has_context = at::globalContext().getAcceleratorHooksInterface(type).hasPrimaryContext(index);
+      } catch (const c10::Error&) {
+        // A backend without hooks cannot tell: it is not counted as used.
+      }
+      if (has_context) used.emplace_back(type, index);
+    }
+  }
+  if (used.empty()) used.emplace_back(c10::kCPU);
+  return used;
+}
+
+c10::intrusive_ptr<VoidFutureCollect> SyncAsync(const DeviceList& devices) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dtorch::sync", "")
+          .typed<c10::intrusive_ptr<VoidFutureCollect>(const DeviceList&)>();
+  return op.call(devices);
+}
+
+void Sync(const DeviceList& devices) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("dtorch::sync_wait", "")
+                             .typed<void(const DeviceList&)>();
+  op.call(devices);
+}
+
+void SyncInto(const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>& promise) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("dtorch::sync_into", "")
+          .typed<void(const DeviceList&, const c10::intrusive_ptr<VoidPromise>&)>();
+  op.call(devices, promise);
+}
+
+namespace kernels {
+
+c10::intrusive_ptr<VoidFutureCollect> sync(const DeviceList& devices) {
+  std::vector<c10::Device> targets;
+  if (devices) {
+    for (const auto& device : *devices) targets.push_back(Resolve(device));
+  } else {
+    targets = UsedDevices();
+  }
+  std::vector<c10::intrusive_ptr<VoidFuture>> futures;
+  futures.reserve(targets.size());
+  for (const auto& device : targets) {
+    auto promise = c10::make_intrusive<VoidPromise>("memory");
+    futures.push_back(promise->GetFuture());
+    if (device.is_cpu()) {
+      SyncCpu(promise);
+      continue;
+    }
+    try {
+      SyncDevice(device, promise);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "dtorch: sync: cannot sync ", device, ": ", e.what_without_backtrace());
+    }
+  }
+  return c10::make_intrusive<VoidFutureCollect>(std::move(targets), std::move(futures));
+}
+
+void sync_into(const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>& promise) {
+  TORCH_CHECK(promise, "dtorch: sync_into needs a VoidPromise, got None");
+  TORCH_CHECK(!promise->IsSatisfied(), "dtorch: sync_into: the promise already holds a value or "
+              "an exception; a promise is fulfilled once, use a new one per sync");
+  auto collect = sync(devices);
+  collect->OnReady([collect, promise] {
+    try {
+      try {
+        collect->Get();
+      } catch (const c10::Error& e) {
+        promise->SetException(e.what_without_backtrace());
+        return;
+      }
+      promise->SetValue({});
+    } catch (...) {
+      // Satisfied meanwhile by another producer: the first completion stands.
+    }
+  });
+}
+
+void sync_wait(const DeviceList& devices) { sync(devices)->Get(); }
+
+}  // namespace kernels
+}  // namespace dtorch
