@@ -7,6 +7,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_asyncio  # noqa: E402
 import bench_roundtrip  # noqa: E402
+import bench_sync  # noqa: E402
 import bench_wake  # noqa: E402
 
 
@@ -15,6 +16,8 @@ def main():
     bench_roundtrip.main(rounds=3 if quick else 7, calls=500 if quick else 2000)
     bench_wake.main(samples=60 if quick else 300)
     bench_asyncio.main(samples=30 if quick else 150, pending=1000, seconds=0.3 if quick else 1.0)
+    bench_sync.main(rounds=3 if quick else 7, calls=300 if quick else 1000,
+                    samples=10 if quick else 50)
 
 
 if __name__ == "__main__":

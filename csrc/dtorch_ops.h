@@ -11,6 +11,10 @@
 //                                  c10::Error on timeout, stays valid), WaitFor(timeout_ms),
 //                                  IsReady(), Valid()
 //   dtorch::PromiseKindFor(t, per_device_per_process)  the promise kind to use for t
+//   dtorch::Sync(devices), dtorch::SyncAsync(devices) -> VoidFutureCollect,
+//   dtorch::SyncInto(devices, void_promise)   wait for the work queued so far on each device's
+//                                  current stream (std::nullopt: the devices this process used)
+//   dtorch::VoidPromise / VoidFuture           a completion signal without a value
 //
 // Errors are c10::Error with "dtorch: <cause>: <detail>" messages (e.g. "broken promise" when a
 // promise is dropped without a value).
@@ -22,3 +26,4 @@
 #pragma once
 
 #include "ops/get_tensor.h"  // brings in ops/futures.h
+#include "ops/sync.h"

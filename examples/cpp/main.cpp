@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -87,6 +88,19 @@ void DroppedPromiseBreaks() {
   ExpectError([&] { future->Wait(kWaitMs); }, "broken promise", "Wait after the promise died");
 }
 
+// (f) Sync: blocking, as a collect of per-device futures, and into a VoidPromise.
+void SyncDevices() {
+  dtorch::Sync();  // the devices this process has used (CPU here)
+  auto collect = dtorch::SyncAsync(std::vector<c10::Device>{c10::Device(c10::kCPU)});
+  Check(collect->Devices().size() == 1 && collect->IsReady(), "a CPU sync is ready at once");
+  collect->Wait(kWaitMs);
+  Check(!collect->Valid(), "Wait() consumes the collect");
+  auto promise = c10::make_intrusive<dtorch::VoidPromise>("memory");
+  auto done = promise->GetFuture();
+  dtorch::SyncInto(std::nullopt, promise);
+  done->Wait(kWaitMs);
+}
+
 // (e) A TorchScript module saved by Python that calls torch.ops.dtorch.* loads and runs.
 void RunScriptedModule(const std::string& path) {
   torch::jit::Module module = torch::jit::load(path);
@@ -104,6 +118,7 @@ int main(int argc, char** argv) {
     PromiseFromThread();
     TimeoutKeepsFutureValid();
     DroppedPromiseBreaks();
+    SyncDevices();
     if (argc > 1) RunScriptedModule(argv[1]);
   } catch (const c10::Error& e) {
     std::cerr << "cpp example: FAILED: " << e.what_without_backtrace() << "\n";
