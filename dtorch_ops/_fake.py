@@ -73,6 +73,9 @@ def _register_fake_class(name: str, methods: tuple, why: str):
         **{method: refuse for method in methods},
     }
     fake = type(f"Fake{name}", (), namespace)
+    # Importable by name: inductor's cache pickles fake objects (by class reference).
+    fake.__module__ = __name__
+    globals()[fake.__name__] = fake
     torch._library.register_fake_class(f"dtorch::{name}")(fake)
     return fake
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from functorch.compile import make_boxed_func
 
 import devices
 import dtorch_ops
@@ -269,7 +270,7 @@ def test_compiled_sync_is_kept_as_an_ordered_effect():
 
     def forward_compiler(gm, example_inputs):
         graphs.append(gm)
-        return gm.forward
+        return make_boxed_func(gm.forward)
 
     def step(x):
         y = x * 2
