@@ -1,3 +1,4 @@
+import asyncio
 import threading
 
 import pytest
@@ -38,3 +39,39 @@ def run_in_thread(fn, *args):
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, result
+
+
+class Heartbeat:
+    """A coroutine ticking every `period` s while the block runs: its count proves the event loop
+    was not blocked meanwhile. Use as ``async with Heartbeat() as hb: ...; hb.beats``."""
+
+    def __init__(self, period: float = 0.005):
+        self.period = period
+        self.beats = 0
+
+    async def _tick(self):
+        while True:
+            self.beats += 1
+            await asyncio.sleep(self.period)
+
+    async def __aenter__(self):
+        self._task = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc):
+        self._task.cancel()
+
+
+def _devices():
+    import devices
+
+    return devices.available()
+
+
+@pytest.fixture(params=_devices(), ids=lambda d: d.name)
+def dev(request):
+    """Each asynchronous device available: the simulated one, and CUDA when present."""
+    device = request.param
+    device.synchronize()
+    yield device
+    device.synchronize()

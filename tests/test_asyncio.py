@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dtorch_ops
+from conftest import Heartbeat
 
 TIMEOUT_S = 10
 
@@ -54,19 +55,10 @@ def test_heartbeat_runs_while_an_await_is_pending():
     future = promise.get_future()
 
     async def main():
-        beats = 0
-
-        async def heartbeat():
-            nonlocal beats
-            while True:
-                beats += 1
-                await asyncio.sleep(0.005)
-
-        hb = asyncio.create_task(heartbeat())
-        threading.Timer(0.2, promise.set_value, args=(torch.ones(1),)).start()
-        value = await future
-        hb.cancel()
-        return beats, value
+        async with Heartbeat() as hb:
+            threading.Timer(0.2, promise.set_value, args=(torch.ones(1),)).start()
+            value = await future
+        return hb.beats, value
 
     beats, value = run(main())
     assert beats >= 10, f"the loop was blocked: only {beats} heartbeats in 0.2 s"

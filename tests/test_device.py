@@ -13,20 +13,8 @@ import time
 import pytest
 import torch
 
-import devices
 import dtorch_ops
-from conftest import WAIT_MS
-
-DEVICES = devices.available()
-
-
-@pytest.fixture(params=DEVICES, ids=[d.name for d in DEVICES])
-def dev(request):
-    d = request.param
-    d.synchronize()
-    yield d
-    d.synchronize()
-
+from conftest import WAIT_MS, Heartbeat
 
 def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
@@ -100,21 +88,12 @@ def test_ten_thousand_pending_futures_use_a_bounded_number_of_threads(dev):
 
 def test_an_awaiting_coroutine_wakes_when_the_device_finishes(dev):
     async def main():
-        beats = 0
-
-        async def heartbeat():
-            nonlocal beats
-            while True:
-                beats += 1
-                await asyncio.sleep(0.005)
-
-        hb = asyncio.create_task(heartbeat())
-        dev.sleep(200)
-        y = torch.ones(3, device=dev.name) * 2
-        start = time.perf_counter()
-        value = await dtorch_ops.to_torch_async(y)
-        hb.cancel()
-        return value, time.perf_counter() - start, beats
+        async with Heartbeat() as hb:
+            dev.sleep(200)
+            y = torch.ones(3, device=dev.name) * 2
+            start = time.perf_counter()
+            value = await dtorch_ops.to_torch_async(y)
+        return value, time.perf_counter() - start, hb.beats
 
     value, elapsed, beats = asyncio.run(asyncio.wait_for(main(), 10))
     assert torch.equal(value.cpu(), torch.full((3,), 2.0))
