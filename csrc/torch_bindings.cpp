@@ -78,7 +78,7 @@ void DefineFuture(torch::Library& m) {
       .def("valid", &F::Valid)
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
       // Posts `token` to the notifier once ready (how asyncio awaits it). Does not consume.
-      .def("notify_when_ready", &F::NotifyWhenReady);
+      .def("notify_when_ready", &dtorch::NotifyWhenReady<F>);
   NotPicklable(HandleBasics(cls));
 }
 
@@ -117,14 +117,8 @@ TORCH_LIBRARY(dtorch, m) {
   auto notifier = m.class_<ReadyNotifier>("ReadyNotifier");
   notifier.def(torch::init<>())
       .def("fileno", &ReadyNotifier::FileNo)
-      .def("drain", &ReadyNotifier::Drain)
-      .def("__obj_flatten__",
-           [](const c10::intrusive_ptr<ReadyNotifier>&) {
-             return std::make_tuple(std::make_tuple(std::string("kind"), std::string("eventfd")));
-           })
-      .def("__eq__", &SameObject<ReadyNotifier>)
-      .def("__len__", &NoLength<ReadyNotifier>);
-  NotPicklable(notifier);
+      .def("drain", &ReadyNotifier::Drain);
+  NotPicklable(HandleBasics(notifier));
 
   DefineFuture<at::Tensor>(m);
   DefinePromise<at::Tensor>(m);
@@ -140,14 +134,8 @@ TORCH_LIBRARY(dtorch, m) {
       .def("valid", &VoidFutureCollect::Valid)
       .def("devices",
            [](const c10::intrusive_ptr<VoidFutureCollect>& self) { return self->Devices(); })
-      .def("notify_when_ready", &VoidFutureCollect::NotifyWhenReady)
-      .def("__obj_flatten__",
-           [](const c10::intrusive_ptr<VoidFutureCollect>&) {
-             return std::make_tuple(std::make_tuple(std::string("kind"), std::string("memory")));
-           })
-      .def("__eq__", &SameObject<VoidFutureCollect>)
-      .def("__len__", &NoLength<VoidFutureCollect>);
-  NotPicklable(collect);
+      .def("notify_when_ready", &dtorch::NotifyWhenReady<VoidFutureCollect>);
+  NotPicklable(HandleBasics(collect));
 
   // Fulfils `promise` with `input` once the work producing `input` on its current stream is done
   // (at once on CPU). One kernel per device; never waits for other streams.

@@ -37,7 +37,10 @@ class _LoopWaker:
 
     def __init__(self, loop):
         self.notifier = torch.classes.dtorch.ReadyNotifier()
-        self.waiters = {}  # token -> asyncio.Future; touched only on the loop's thread
+        # token -> asyncio.Future, touched only on the loop's thread. Weak: a waiter lives as long
+        # as the dtorch future's wrapper (or a task awaiting it) holds it, so neither a closed loop
+        # with pending awaits nor an abandoned future is kept alive from here.
+        self.waiters = weakref.WeakValueDictionary()
         self._tokens = itertools.count()
         loop.add_reader(self.notifier.fileno(), self._drain)
 
@@ -60,20 +63,24 @@ _loop_wakers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]"
 )
 
 
-async def _await_ready(raw) -> None:
-    """Suspends until raw is ready: woken by the completion itself, no polling, no thread."""
+async def _await_ready(waitable) -> None:
+    """Suspends until waitable._raw is ready: woken by the completion itself, no polling, no
+    thread. One registration per (future, loop), however often the await is cancelled and
+    retried (asyncio.wait_for with a timeout in a loop, say)."""
+    raw = waitable._raw
     if raw.is_ready():
         return
     loop = asyncio.get_running_loop()
-    waker = _loop_wakers.get(loop)
-    if waker is None:
-        waker = _loop_wakers[loop] = _LoopWaker(loop)
-    token, waiter = waker.register(loop)
-    try:
+    pending = waitable._pending
+    if pending is None or pending.get_loop() is not loop or pending.done():
+        waker = _loop_wakers.get(loop)
+        if waker is None:
+            waker = _loop_wakers[loop] = _LoopWaker(loop)
+        token, pending = waker.register(loop)
         raw.notify_when_ready(waker.notifier, token)
-        await waiter
-    finally:
-        waker.waiters.pop(token, None)  # cancelled: a later post of this token is ignored
+        waitable._pending = pending
+    # Shielded: cancelling this await leaves the registration for the next one.
+    await asyncio.shield(pending)
 
 
 def _qualname(obj) -> str | None:
@@ -103,6 +110,7 @@ class _Waitable:
 
     _RAW_CLASS = ""
     _PRODUCED_BY = ""
+    _pending = None  # the asyncio waiter of this future's latest await (see _await_ready)
 
     def __init__(self, raw):
         if isinstance(raw, type(self)):
@@ -162,7 +170,7 @@ class _Waitable:
         Woken by the completion itself (no polling). Cancelling the awaiting task leaves the
         future valid. Errors (exception, broken promise) are raised here.
         """
-        yield from _await_ready(self._raw).__await__()
+        yield from _await_ready(self).__await__()
         return self._raw.get()
 
     def __reduce__(self):
@@ -177,7 +185,17 @@ class _Waitable:
         return "ready" if self._raw.is_ready() else "pending"
 
 
-class TensorFuture(_Waitable):
+class _Future(_Waitable):
+    """A promise's consumer end: also reports its kind."""
+
+    def kind(self) -> str:
+        return self._raw.kind()
+
+    def __repr__(self) -> str:
+        return f"dtorch_ops.{type(self).__name__}(kind={self._raw.kind()!r}, {self._state()})"
+
+
+class TensorFuture(_Future):
     """The consumer's end of a tensor promise/future pair.
 
     Wraps the raw ``torch.classes.dtorch.TensorFuture`` that the ops return:
@@ -189,25 +207,13 @@ class TensorFuture(_Waitable):
     _RAW_CLASS = "TensorFuture"
     _PRODUCED_BY = "torch.ops.dtorch.get_tensor_async"
 
-    def kind(self) -> str:
-        return self._raw.kind()
 
-    def __repr__(self) -> str:
-        return f"dtorch_ops.TensorFuture(kind={self._raw.kind()!r}, {self._state()})"
-
-
-class VoidFuture(_Waitable):
+class VoidFuture(_Future):
     """A completion signal without a value: get() and wait() return None. Otherwise like
     TensorFuture (consumed by get(), errors and broken promises raised, awaitable)."""
 
     _RAW_CLASS = "VoidFuture"
     _PRODUCED_BY = "torch.classes.dtorch.VoidPromise.get_future"
-
-    def kind(self) -> str:
-        return self._raw.kind()
-
-    def __repr__(self) -> str:
-        return f"dtorch_ops.VoidFuture(kind={self._raw.kind()!r}, {self._state()})"
 
 
 class VoidFutureCollect(_Waitable):
@@ -376,7 +382,12 @@ def sync(devices=None) -> None:
     accelerators with a context; CPU when there is none). Only the current stream of each device
     is waited for; the device is not synchronised as a whole.
     """
-    torch.ops.dtorch.sync_wait.default(_device_list(devices))
+    if torch.compiler.is_compiling():
+        # In a graph: the sync_wait op, an ordered effect that compiled code keeps in place.
+        torch.ops.dtorch.sync_wait.default(_device_list(devices))
+    else:
+        # Eager: wait in slices, so that Ctrl-C can interrupt a sync on a hung device.
+        sync_async(devices).get()
 
 
 def sync_async(devices=None) -> VoidFutureCollect:

@@ -75,3 +75,17 @@ def dev(request):
     device.synchronize()
     yield device
     device.synchronize()
+
+
+def poller_threads() -> int:
+    """The library's poller threads alive now (they are named "dtorch-poller")."""
+    import os
+
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() == "dtorch-poller"
+        except OSError:  # the thread exited meanwhile
+            pass
+    return count

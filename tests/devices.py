@@ -22,14 +22,20 @@ class SimDev:
         with simdev.stream(torch.ops.simdev.new_stream()):
             yield
 
+    def hold(self):
+        """Makes the current stream busy (work queued after this waits) until the returned
+        release() is called."""
+        gate = torch.ops.simdev.hold()
+        return lambda: torch.ops.simdev.release(gate)
+
     @contextlib.contextmanager
     def busy(self):
-        """The current stream is busy (work queued after this waits) until the block ends."""
-        gate = torch.ops.simdev.hold()
+        """The current stream is busy until the block ends."""
+        release = self.hold()
         try:
             yield
         finally:
-            torch.ops.simdev.release(gate)
+            release()
 
     def synchronize(self):
         torch.ops.simdev.synchronize()
@@ -66,10 +72,16 @@ class Cuda:
         with torch.cuda.stream(torch.cuda.Stream()):
             yield
 
+    def hold(self):
+        """Makes the current stream busy for a while (a 2 s kernel: CUDA has no gate); the
+        returned release() does nothing."""
+        self.sleep(2000)
+        return lambda: None
+
     @contextlib.contextmanager
     def busy(self):
-        """The current stream is busy for the block (a long kernel: CUDA has no gate)."""
-        self.sleep(2000)
+        """The current stream is busy (at least) for the block."""
+        self.hold()
         yield
 
     def synchronize(self):

@@ -213,3 +213,52 @@ def test_one_notifier_serves_many_awaits_in_a_loop():
         return len(waker.waiters)
 
     assert run(main()) == 0
+
+
+def test_retried_timeouts_register_the_future_once():
+    from dtorch_ops import futures
+
+    promise = dtorch_ops.TensorPromise()
+    future = promise.get_future()
+
+    async def main():
+        for _ in range(500):  # "wait with a timeout, then retry"
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(_awaited(future), 0.0005)
+        waker = futures._loop_wakers[asyncio.get_running_loop()]
+        registered = len(waker.waiters)
+        promise.set_value(torch.ones(1))
+        return registered, await future, waker
+
+    registered, value, waker = run(main())
+    assert registered == 1, f"{registered} registrations for one future"
+    assert torch.equal(value, torch.ones(1))
+    assert waker.notifier.drain() == []  # one completion posted one token, already drained
+
+
+async def _awaited(future):
+    return await future
+
+
+def test_a_loop_closed_with_pending_awaits_is_released():
+    from dtorch_ops import futures
+
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    promises = []
+
+    async def abandon():
+        promise = dtorch_ops.TensorPromise()
+        promises.append(promise)
+        asyncio.ensure_future(_awaited(promise.get_future()))
+        await asyncio.sleep(0.005)  # the await is pending when asyncio.run cancels it
+
+    gc.collect()
+    before_fds, before_wakers = open_fds(), len(futures._loop_wakers)
+    for _ in range(20):
+        asyncio.run(abandon())
+    promises.clear()  # the pending callbacks (and the eventfds they hold) go with the promises
+    gc.collect()
+    assert len(futures._loop_wakers) == before_wakers, "closed loops kept their wakers"
+    assert open_fds() - before_fds <= 2, "closed loops leaked file descriptors"

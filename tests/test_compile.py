@@ -164,18 +164,6 @@ def test_inductor_compiled_step_logs_the_loss():
                                        torch.nn.functional.mse_loss(model(x), y).detach())
 
 
-def test_inductor_keeps_sync_in_place():
-    torch._dynamo.reset()
-
-    def step(x):
-        y = (x * 2).sum()
-        dtorch_ops.sync()
-        return y + 1
-
-    compiled = torch.compile(step, fullgraph=True, backend="inductor")
-    assert torch.equal(compiled(torch.ones(3)), torch.tensor(7.0))
-
-
 def test_compiled_future_returning_ops_fall_back_with_a_graph_break():
     # Ops that *return* a new script object cannot be captured by Dynamo on torch 2.13: the fake
     # kernel's output must convert to the schema's class, so a FakeScriptObject is refused, and a

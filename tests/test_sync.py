@@ -151,12 +151,27 @@ def test_sync_async_returns_before_queued_work_and_completes_after(dev):
 
 
 def test_blocking_sync_waits_for_the_device(dev):
+    queued = time.perf_counter()
     dev.sleep(100)
     y = torch.ones(4, device=dev.name) * 3
-    start = time.perf_counter()
     dtorch_ops.sync(dev.name)
-    assert time.perf_counter() - start >= 0.05
+    assert time.perf_counter() - queued >= 0.1  # not before the 100 ms kernel finished
     assert torch.equal(y.cpu(), torch.full((4,), 3.0))
+
+
+def test_blocking_sync_can_be_interrupted(dev):
+    import signal
+
+    if dev.name != "simdev":
+        pytest.skip("needs a stream that stays busy until released")
+    timer = threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGINT))
+    with dev.busy():
+        timer.start()
+        start = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            dtorch_ops.sync(dev.name)  # Ctrl-C reaches a sync on a stuck device
+        assert time.perf_counter() - start < 5
+    timer.join()
 
 
 def test_sync_does_not_wait_for_other_streams(dev):
@@ -169,33 +184,44 @@ def test_sync_does_not_wait_for_other_streams(dev):
 
 def test_default_devices_include_the_used_accelerator(dev):
     torch.ones(1, device=dev.name) * 1  # the process has used the device
-    assert torch.device(dev.name, 0) in dtorch_ops.sync_async().devices()
+    with dev.busy():
+        collect = dtorch_ops.sync_async()
+        assert torch.device(dev.name, 0) in collect.devices()
+        time.sleep(0.02)
+        assert not collect.is_ready(), "devices=None did not wait for the used device"
+    assert collect.wait(WAIT_MS) is None
 
 
 def test_await_a_collect(dev):
     async def main():
-        with dev.busy():
-            collect = dtorch_ops.sync_async([dev.name, "cpu"])
-            await asyncio.sleep(0.02)
-            assert not collect.is_ready()
-        return await collect
+        release = dev.hold()
+        collect = dtorch_ops.sync_async([dev.name, "cpu"])
+        assert not collect.is_ready()
+        asyncio.get_running_loop().call_later(0.05, release)  # completes while the await waits
+        start = time.perf_counter()
+        result = await collect
+        return result, time.perf_counter() - start
 
-    assert asyncio.run(asyncio.wait_for(main(), 10)) is None
+    result, waited = asyncio.run(asyncio.wait_for(main(), 10))
+    assert result is None and waited >= 0.04
 
 
 def test_sync_into_from_a_producer_thread(dev):
     promise = dtorch_ops.VoidPromise()
     future = promise.get_future()
+    queued, checked = threading.Event(), threading.Event()
 
-    def producer():
+    def producer():  # a worker: its stream is busy when it signals the consumer's promise
         with dev.busy():
             dtorch_ops.sync_into(dev.name, promise)
-            time.sleep(0.05)
+            queued.set()
+            checked.wait(10)
 
     thread = threading.Thread(target=producer)
     thread.start()
-    time.sleep(0.02)
-    assert not future.is_ready()
+    assert queued.wait(10)
+    assert not future.is_ready(), "fulfilled before the producer's stream was done"
+    checked.set()
     thread.join(10)
     assert future.wait(WAIT_MS) is None
 
@@ -271,6 +297,26 @@ def test_compiled_sync_is_kept_as_an_ordered_effect():
         for _ in range(3):
             assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 3.0))
     assert len(graphs) == 1
-    graph = str(graphs[0].graph)
-    # Threaded through an effect token (with_effects): not dropped although it has no output.
-    assert "with_effects" in graph and "dtorch.sync_wait.default" in graph
+    # Threaded through an effect token (with_effects): not dropped although it has no output, and
+    # kept between the computations before and after it.
+    order = [n.name for n in graphs[0].graph.nodes if n.op == "call_function"]
+    effect = next(n for n in graphs[0].graph.nodes if "with_effects" in str(n.target))
+    assert effect.args[1] is torch.ops.dtorch.sync_wait.default
+    assert order.index("mul") < order.index(effect.name) < order.index("add")
+
+
+def test_inductor_keeps_sync_in_place():
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+
+    def step(x):
+        y = (x * 2).sum()
+        dtorch_ops.sync()
+        return y + 1
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    result, code = run_and_get_code(compiled, torch.ones(3))
+    assert torch.equal(result, torch.tensor(7.0))
+    assert any("dtorch.sync_wait" in c for c in code), "inductor dropped the sync"

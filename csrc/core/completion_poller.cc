@@ -1,5 +1,7 @@
 #include "completion_poller.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <thread>
@@ -63,6 +65,7 @@ void CompletionPoller::Submit(const std::string& key,
 }
 
 void CompletionPoller::Run(const std::string& key) {
+  pthread_setname_np(pthread_self(), kThreadName);  // visible in /proc, ps, gdb and the tests
   using std::chrono::microseconds;
   constexpr microseconds kMinBackoff{20};
   constexpr microseconds kMaxBackoff{1000};

@@ -43,6 +43,7 @@ class PendingCompletion {
 class CompletionPoller {
  public:
   static constexpr int64_t kIdleExitMs = 2000;
+  static constexpr const char* kThreadName = "dtorch-poller";  // at most 15 characters
 
   static CompletionPoller& Instance();
 

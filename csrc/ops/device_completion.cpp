@@ -1,6 +1,7 @@
 #include "device_completion.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -22,8 +23,12 @@ class EventCompletion final : public core::PendingCompletion {
   bool Poll() override {
     // Make the event's device current on this (poller) thread first: otherwise querying and
     // destroying the event here would create a context on device 0 of a process that may use
-    // another device only. A poller thread serves one stream, so this is set once in effect.
-    c10::impl::VirtualGuardImpl(device_.type()).setDevice(device_);
+    // another device only. A poller thread serves one stream (one device): set once per thread.
+    thread_local std::optional<c10::Device> current_device;
+    if (current_device != device_) {
+      c10::impl::VirtualGuardImpl(device_.type()).setDevice(device_);
+      current_device = device_;
+    }
     return event_.query();
   }
 

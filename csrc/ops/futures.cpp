@@ -87,13 +87,6 @@ void Future<T>::OnReady(std::function<void()> callback) {
 }
 
 template <typename T>
-void Future<T>::NotifyWhenReady(const c10::intrusive_ptr<ReadyNotifier>& notifier,
-                                int64_t token) {
-  TORCH_CHECK(notifier, "dtorch: notify_when_ready needs a ReadyNotifier, got None");
-  OnReady([core = notifier->core(), token] { core->Post(token); });
-}
-
-template <typename T>
 Promise<T>::Promise(const std::string& kind) : kind_(kind), backend_(MakePromiseBackend<T>(kind)) {}
 
 template <typename T>
@@ -107,6 +100,28 @@ void Promise<T>::SetValue(T value) {
 template <typename T>
 void Promise<T>::SetException(const std::string& message) {
   TranslateErrors([&] { backend_->SetException(message); });
+}
+
+template <typename T>
+bool Promise<T>::TrySetValue(T value) {
+  try {
+    SetValue(std::move(value));
+    return true;
+  } catch (const c10::Error&) {
+    TORCH_INTERNAL_ASSERT(backend_->IsSatisfied());  // the only way a set can fail
+    return false;
+  }
+}
+
+template <typename T>
+bool Promise<T>::TrySetException(const std::string& message) {
+  try {
+    SetException(message);
+    return true;
+  } catch (const c10::Error&) {
+    TORCH_INTERNAL_ASSERT(backend_->IsSatisfied());
+    return false;
+  }
 }
 
 template <typename T>
@@ -144,8 +159,7 @@ void VoidFutureCollect::Get() {
       futures_[i]->Get();
     } catch (const c10::Error& e) {
       if (!first_error) {
-        first_error = "dtorch: sync on " + devices_[i].str() + " failed: " +
-                      e.what_without_backtrace();
+        first_error = "dtorch: sync on " + devices_[i].str() + " failed: " + NestedMessage(e);
       }
     }
   }
@@ -194,10 +208,11 @@ void VoidFutureCollect::OnReady(std::function<void()> callback) {
   }
 }
 
-void VoidFutureCollect::NotifyWhenReady(const c10::intrusive_ptr<ReadyNotifier>& notifier,
-                                        int64_t token) {
-  TORCH_CHECK(notifier, "dtorch: notify_when_ready needs a ReadyNotifier, got None");
-  OnReady([core = notifier->core(), token] { core->Post(token); });
+std::string NestedMessage(const c10::Error& error) {
+  static const std::string kPrefix = "dtorch: ";
+  std::string message = error.what_without_backtrace();
+  if (message.compare(0, kPrefix.size(), kPrefix) == 0) message.erase(0, kPrefix.size());
+  return message;
 }
 
 std::string PromiseKindFor(const at::Tensor& tensor, bool per_device_per_process) {

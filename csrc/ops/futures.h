@@ -38,6 +38,7 @@ class ReadyNotifier : public torch::CustomClassHolder {
  public:
   static constexpr const char* kClassName = "ReadyNotifier";
   ReadyNotifier() : core_(std::make_shared<core::ReadyNotifier>()) {}
+  const char* Kind() const { return "eventfd"; }
   int64_t FileNo() const { return core_->fd(); }
   std::vector<int64_t> Drain() { return core_->Drain(); }
   // Shared with pending completion callbacks, which keep the eventfd open.
@@ -79,9 +80,6 @@ class Future : public torch::CustomClassHolder {
   // Runs callback once when the value (or an error) is ready, on the completing thread, or at once
   // if it already is. For event-loop integration; callback must be cheap and must not block.
   void OnReady(std::function<void()> callback);
-  // Posts `token` to `notifier` once this future is ready (at once if it is): how an event loop
-  // awaits it (dtorch_ops' __await__). Never consumes.
-  void NotifyWhenReady(const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token);
 
  private:
   const std::unique_ptr<core::FutureBackend<T>> backend_;
@@ -98,6 +96,10 @@ class Promise : public torch::CustomClassHolder {
   // Fulfils the promise; a second completion throws and the first value is kept.
   void SetValue(T value);
   void SetException(const std::string& message);
+  // The same, for producers that may race another one (a device completion): false, instead of
+  // an exception, when the promise was already satisfied.
+  bool TrySetValue(T value);
+  bool TrySetException(const std::string& message);
   // The consumer's end; callable once.
   c10::intrusive_ptr<Future<T>> GetFuture();
   const std::string& Kind() const { return kind_; }
@@ -138,16 +140,28 @@ class VoidFutureCollect : public torch::CustomClassHolder {
   bool WaitFor(int64_t timeout_ms) const;
   bool IsReady() const;
   bool Valid() const;
+  const char* Kind() const { return "memory"; }
   const std::vector<c10::Device>& Devices() const { return devices_; }
   // Runs callback once every device is done (or failed); see Future::OnReady.
   void OnReady(std::function<void()> callback);
-  void NotifyWhenReady(const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token);
 
  private:
   const std::vector<c10::Device> devices_;
   const std::vector<c10::intrusive_ptr<VoidFuture>> futures_;
   std::atomic<bool> consumed_{false};
 };
+
+// Posts `token` to `notifier` once `waitable` (a Future or a VoidFutureCollect) is ready, at once
+// if it is: how an event loop awaits it (dtorch_ops' __await__). Never consumes.
+template <typename Waitable>
+void NotifyWhenReady(const c10::intrusive_ptr<Waitable>& waitable,
+                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
+  TORCH_CHECK(notifier, "dtorch: notify_when_ready needs a ReadyNotifier, got None");
+  waitable->OnReady([core = notifier->core(), token] { core->Post(token); });
+}
+
+// A c10::Error's message without its leading "dtorch: ", for nesting it in another message.
+std::string NestedMessage(const c10::Error& error);
 
 // The promise kind for a pair whose promise a worker will fulfil with `tensor`: CPU -> "memory";
 // a device tensor with per_device_per_process -> "file" (one worker process per device);

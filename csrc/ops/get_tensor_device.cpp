@@ -14,14 +14,11 @@ void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorP
               "an exception; a promise is fulfilled once, use a new one per value");
   // The callback owns the tensor until the event fired: its memory outlives the device work.
   AfterCurrentStreamWork(input.device(), [input, promise](const std::optional<std::string>& error) {
-    try {
-      if (error) {
-        promise->SetException(*error + " (while waiting for the tensor)");
-      } else {
-        promise->SetValue(input);
-      }
-    } catch (...) {
-      // The promise was satisfied meanwhile by another producer: the first completion stands.
+    // A racing producer may have satisfied the promise meanwhile: the first completion stands.
+    if (error) {
+      promise->TrySetException(*error + " (while waiting for the tensor)");
+    } else {
+      promise->TrySetValue(input);
     }
   });
 }

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include <ATen/Context.h>
+#include <ATen/DeviceAccelerator.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -21,6 +22,8 @@ c10::Device Resolve(const c10::Device& device) {
               ": this torch build has no ", type, " support");
   c10::impl::VirtualGuardImpl guard(device.type());
   const auto count = guard.deviceCount();
+  TORCH_CHECK(count > 0, "dtorch: sync: cannot sync ", device, ": this process sees no ", type,
+              " device");
   const auto index = device.has_index() ? device.index() : guard.getDevice().index();
   TORCH_CHECK(index < count, "dtorch: sync: device ", device, " does not exist: this process sees ",
               static_cast<int>(count), " ", type, " device(s)");
@@ -33,14 +36,10 @@ void SyncCpu(const c10::intrusive_ptr<VoidPromise>& promise) { promise->SetValue
 // The device sync kernel: complete once the device's current stream reaches this point.
 void SyncDevice(const c10::Device& device, const c10::intrusive_ptr<VoidPromise>& promise) {
   AfterCurrentStreamWork(device, [promise](const std::optional<std::string>& error) {
-    try {
-      if (error) {
-        promise->SetException(*error);
-      } else {
-        promise->SetValue({});
-      }
-    } catch (...) {
-      // Cannot happen: the promise is ours alone. Never let it escape a poller thread.
+    if (error) {
+      promise->TrySetException(*error);
+    } else {
+      promise->TrySetValue({});
     }
   });
 }
@@ -49,17 +48,19 @@ void SyncDevice(const c10::Device& device, const c10::intrusive_ptr<VoidPromise>
 
 std::vector<c10::Device> UsedDevices() {
   std::vector<c10::Device> used;
-  for (const auto type : {c10::kCUDA, c10::kXPU, c10::kPrivateUse1}) {
-    if (!c10::impl::hasDeviceGuardImpl(type)) continue;
-    const auto count = c10::impl::VirtualGuardImpl(type).deviceCount();
+  // The build's accelerator (CUDA, XPU, MPS, PrivateUse1, ...), if any: at most one per process.
+  const auto type = at::getAccelerator(/*checked=*/false);
+  if (type && c10::impl::hasDeviceGuardImpl(*type)) {
+    const auto count = c10::impl::VirtualGuardImpl(*type).deviceCount();
     for (c10::DeviceIndex index = 0; index < count; ++index) {
       bool has_context = false;
       try {
-        has_context = at::globalContext().getAcceleratorHooksInterface(type).hasPrimaryContext(index);
+        has_context =
+            at::globalContext().getAcceleratorHooksInterface(*type).hasPrimaryContext(index);
       } catch (const c10::Error&) {
         // A backend without hooks cannot tell: it is not counted as used.
       }
-      if (has_context) used.emplace_back(type, index);
+      if (has_context) used.emplace_back(*type, index);
     }
   }
   if (used.empty()) used.emplace_back(c10::kCPU);
@@ -122,17 +123,14 @@ void sync_into(const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>&
               "an exception; a promise is fulfilled once, use a new one per sync");
   auto collect = sync(devices);
   collect->OnReady([collect, promise] {
+    // Satisfied meanwhile by another producer? The first completion stands.
     try {
-      try {
-        collect->Get();
-      } catch (const c10::Error& e) {
-        promise->SetException(e.what_without_backtrace());
-        return;
-      }
-      promise->SetValue({});
-    } catch (...) {
-      // Satisfied meanwhile by another producer: the first completion stands.
+      collect->Get();
+    } catch (const c10::Error& e) {
+      promise->TrySetException(NestedMessage(e));
+      return;
     }
+    promise->TrySetValue({});
   });
 }
 
