@@ -22,6 +22,18 @@ class SimDev:
         with simdev.stream(torch.ops.simdev.new_stream()):
             yield
 
+    def device_count(self):
+        return 2
+
+    def on_device(self, index):
+        return simdev.device(index)
+
+    def new_stream(self):
+        return torch.ops.simdev.new_stream()
+
+    def using_stream(self, stream):
+        return simdev.stream(stream)
+
     def hold(self):
         """Makes the current stream busy (work queued after this waits) until the returned
         release() is called."""
@@ -71,6 +83,18 @@ class Cuda:
     def side_stream(self):
         with torch.cuda.stream(torch.cuda.Stream()):
             yield
+
+    def device_count(self):
+        return torch.cuda.device_count()
+
+    def on_device(self, index):
+        return torch.cuda.device(index)
+
+    def new_stream(self):
+        return torch.cuda.Stream()
+
+    def using_stream(self, stream):
+        return torch.cuda.stream(stream)
 
     def hold(self):
         """Makes the current stream busy for a while (a 2 s kernel: CUDA has no gate); the

@@ -170,3 +170,21 @@ def test_poller_threads_exit_when_idle(dev):
     assert poller_threads() >= 1
     # CompletionPoller::kIdleExitMs is 2 s: every idle poller thread goes away after that.
     assert _wait_until(lambda: poller_threads() == 0, timeout_s=8), "idle poller threads stayed"
+
+
+def test_values_on_a_second_device(dev):
+    if dev.device_count() < 2:
+        pytest.skip(f"needs two {dev.name} devices")
+    with dev.on_device(1):
+        release = dev.hold()
+    try:
+        y = torch.ones(3, device=f"{dev.name}:1") * 4  # runs behind the busy kernel on device 1
+        fut = dtorch_ops.to_torch_async(y)
+        other = dtorch_ops.to_torch_async(torch.ones(1, device=f"{dev.name}:0"))
+        assert torch.equal(other.wait(WAIT_MS).cpu(), torch.ones(1))  # device 0 is not waited for
+        assert not fut.is_ready()
+    finally:
+        release()
+    value = fut.wait(WAIT_MS)
+    assert value.device == torch.device(dev.name, 1)
+    assert torch.equal(value.cpu(), torch.full((3,), 4.0))

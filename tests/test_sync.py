@@ -114,7 +114,7 @@ def test_sync_into_completes_a_void_promise():
 
 @pytest.mark.parametrize("bad, message", [
     ("cuda:97", r"cuda:97"),
-    ("simdev:5", r"simdev:5 does not exist: this process sees 1 simdev device"),
+    ("simdev:5", r"simdev:5 does not exist: this process sees 2 simdev device"),
     ("meta", r"cannot sync meta"),
 ])
 def test_bad_devices_get_a_clear_error(bad, message):
@@ -224,6 +224,47 @@ def test_sync_into_from_a_producer_thread(dev):
     checked.set()
     thread.join(10)
     assert future.wait(WAIT_MS) is None
+
+
+def test_sync_waits_for_every_device(dev):
+    if dev.device_count() < 2:
+        pytest.skip(f"needs two {dev.name} devices")
+    with dev.on_device(0):
+        release0 = dev.hold()
+    with dev.on_device(1):
+        release1 = dev.hold()
+    try:
+        collect = dtorch_ops.sync_async([f"{dev.name}:0", f"{dev.name}:1"])
+        time.sleep(0.02)
+        assert not collect.is_ready()
+        release1()
+        time.sleep(0.02)
+        assert not collect.is_ready(), "ready although device 0 is still busy"
+    finally:
+        release0()
+        release1()
+    assert collect.wait(WAIT_MS) is None
+
+
+def test_of_two_failing_devices_the_first_listed_wins(dev):
+    if not dev.can_inject_faults or dev.device_count() < 2:
+        pytest.skip(f"needs two {dev.name} devices with injectable faults")
+    # A fault on a side stream of each device (a fault poisons its stream only).
+    streams = {}
+    for index, message in ((0, "fault A"), (1, "fault B")):
+        with dev.on_device(index):
+            streams[index] = dev.new_stream()
+            with dev.using_stream(streams[index]):
+                dev.fail(message)
+    with dev.on_device(1), dev.using_stream(streams[1]), dev.on_device(0), \
+            dev.using_stream(streams[0]):
+        one_first = dtorch_ops.sync_async(["cpu", f"{dev.name}:1", f"{dev.name}:0"])
+        zero_first = dtorch_ops.sync_async([f"{dev.name}:0", f"{dev.name}:1"])
+    with pytest.raises(RuntimeError, match=rf"sync on {dev.name}:1 failed: .*fault B") as err:
+        one_first.wait(WAIT_MS)
+    assert "fault A" not in str(err.value)
+    with pytest.raises(RuntimeError, match=rf"sync on {dev.name}:0 failed: .*fault A"):
+        zero_first.wait(WAIT_MS)
 
 
 def test_the_first_error_wins_and_names_its_device(dev):

@@ -33,8 +33,8 @@ def _device_module():
     """torch.simdev: what torch looks up for a PrivateUse1 backend."""
     module = types.ModuleType("torch.simdev")
     module.is_available = lambda: True
-    module.device_count = lambda: 1
-    module.current_device = lambda: 0
+    module.device_count = lambda: 2
+    module.current_device = lambda: torch.ops.simdev.get_device()
     module.is_initialized = lambda: True
     module._lazy_init = lambda: None
     module.synchronize = lambda device=None: torch.ops.simdev.synchronize()
@@ -46,6 +46,16 @@ def _device_module():
     module.initial_seed = lambda: 0
     module._is_in_bad_fork = lambda: False
     return module
+
+
+@contextlib.contextmanager
+def device(index: int):
+    """Makes simdev:`index` the current device on this thread inside the block."""
+    previous = torch.ops.simdev.set_device(index)
+    try:
+        yield
+    finally:
+        torch.ops.simdev.set_device(previous)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 // spirit of PyTorch's OpenReg test backend). Test-only: built by tests/simdev/__init__.py, never
 // shipped.
 //
-// Memory is host memory. Each stream is a worker thread that runs its queued kernels in order,
+// Two devices (simdev:0, simdev:1). Memory is host memory. Each stream is a worker thread that runs its queued kernels in order,
 // so a kernel call returns before its work is done, and an event completes only when the worker
 // reaches it. Kernels: empty, copies to/from CPU, fill_, add, mul, views, and ops in the simdev
 // namespace: sleep(ms) (a kernel that takes ms milliseconds), fail(message) (a kernel that faults,
@@ -14,9 +14,11 @@
 #include <ATen/ops/as_strided_cpu_dispatch.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -113,9 +115,9 @@ class Runtime {
     return *runtime;
   }
 
-  StreamWorker& Stream(c10::StreamId id) {
+  StreamWorker& Stream(c10::DeviceIndex device, c10::StreamId id) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto& worker = workers_[id];
+    auto& worker = workers_[{device, id}];
     if (!worker) worker = std::make_unique<StreamWorker>();
     return *worker;
   }
@@ -131,20 +133,34 @@ class Runtime {
     for (auto* worker : all) worker->Synchronize();
   }
 
-  size_t StreamCount() {
+  size_t StreamCount(std::optional<c10::DeviceIndex> device = std::nullopt) {
     std::lock_guard<std::mutex> lock(mu_);
-    return workers_.size();
+    size_t count = 0;
+    for (const auto& entry : workers_) count += !device || entry.first.first == *device;
+    return count;
   }
 
  private:
   std::mutex mu_;
-  std::map<c10::StreamId, std::unique_ptr<StreamWorker>> workers_;  // guarded by mu_
+  // guarded by mu_: one worker per (device, stream)
+  std::map<std::pair<c10::DeviceIndex, c10::StreamId>, std::unique_ptr<StreamWorker>> workers_;
   std::atomic<c10::StreamId> next_stream_{1};                       // 0 is the default stream
 };
 
-thread_local c10::StreamId current_stream = 0;
+constexpr c10::DeviceIndex kDeviceCount = 2;
+thread_local c10::DeviceIndex current_device = 0;
+thread_local std::array<c10::StreamId, kDeviceCount> current_stream{};  // per device; 0: default
 
-StreamWorker& CurrentWorker() { return Runtime::Get().Stream(current_stream); }
+c10::Device DeviceAt(c10::DeviceIndex index) { return c10::Device(kType, index); }
+
+// The current stream of `device` (of the current device by default) on this thread.
+StreamWorker& CurrentWorker(std::optional<c10::DeviceIndex> device = std::nullopt) {
+  const auto index = device.value_or(current_device);
+  return Runtime::Get().Stream(index, current_stream[index]);
+}
+
+// The current stream of the device a tensor lives on: where kernels on it run.
+StreamWorker& WorkerFor(const at::Tensor& t) { return CurrentWorker(t.device().index()); }
 
 // ---- events ----
 
@@ -177,7 +193,7 @@ struct SimAllocator final : c10::Allocator {
       std::lock_guard<std::mutex> lock(live_mu);
       live.insert(reinterpret_cast<uintptr_t>(data));
     }
-    return {data, data, &Free, c10::Device(kType, 0)};
+    return {data, data, &Free, DeviceAt(current_device)};
   }
   static void Free(void* data) {
     if (data) {
@@ -199,30 +215,36 @@ REGISTER_ALLOCATOR(kType, &allocator);
 
 struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kType; }
-  c10::Device exchangeDevice(c10::Device) const override { return c10::Device(kType, 0); }
-  c10::Device getDevice() const override { return c10::Device(kType, 0); }
+  static c10::DeviceIndex Index(c10::Device d) { return d.has_index() ? d.index() : current_device; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    const auto previous = getDevice();
+    setDevice(d);
+    return previous;
+  }
+  c10::Device getDevice() const override { return DeviceAt(current_device); }
   void setDevice(c10::Device d) const override {
-    TORCH_CHECK(d.index() <= 0, "simdev: there is one device (simdev:0), got ", d);
+    TORCH_CHECK(Index(d) >= 0 && Index(d) < kDeviceCount, "simdev: no device ", d);
+    current_device = Index(d);
   }
-  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  void uncheckedSetDevice(c10::Device d) const noexcept override { current_device = Index(d); }
   c10::Stream getStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, 0), current_stream);
+    return c10::Stream(c10::Stream::UNSAFE, DeviceAt(Index(d)), current_stream[Index(d)]);
   }
-  c10::Stream getDefaultStream(c10::Device) const override {
-    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, 0), 0);
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::UNSAFE, DeviceAt(Index(d)), 0);
   }
-  c10::Stream getNewStream(c10::Device, int) const override {
-    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, 0), Runtime::Get().NewStream());
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    return c10::Stream(c10::Stream::UNSAFE, DeviceAt(Index(d)), Runtime::Get().NewStream());
   }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
     return getNewStream(d, 0);
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
     auto previous = getStream(s.device());
-    current_stream = s.id();
+    current_stream[s.device_index()] = s.id();
     return previous;
   }
-  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  c10::DeviceIndex deviceCount() const noexcept override { return kDeviceCount; }
 
   void record(void** event, const c10::Stream& stream, const c10::DeviceIndex,
               const c10::EventFlag) const override {
@@ -233,7 +255,7 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
       std::lock_guard<std::mutex> lock(state->mu);
       version = ++state->recorded;
     }
-    StreamWorker& worker = Runtime::Get().Stream(stream.id());
+    StreamWorker& worker = Runtime::Get().Stream(stream.device_index(), stream.id());
     worker.Enqueue([state, version, &worker] {
       auto fault = worker.Fault();
       {
@@ -252,7 +274,7 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
       std::lock_guard<std::mutex> lock(state->mu);
       version = state->recorded;
     }
-    Runtime::Get().Stream(stream.id()).Enqueue([state, version] {
+    Runtime::Get().Stream(stream.device_index(), stream.id()).Enqueue([state, version] {
       std::unique_lock<std::mutex> lock(state->mu);
       state->cv.wait(lock, [&] { return state->completed >= version; });
     });
@@ -276,10 +298,10 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
     delete static_cast<Event*>(event);  // pending stream tasks hold the state, not the Event
   }
   bool queryStream(const c10::Stream& stream) const override {
-    return Runtime::Get().Stream(stream.id()).Idle();
+    return Runtime::Get().Stream(stream.device_index(), stream.id()).Idle();
   }
   void synchronizeStream(const c10::Stream& stream) const override {
-    Runtime::Get().Stream(stream.id()).Synchronize();
+    Runtime::Get().Stream(stream.device_index(), stream.id()).Synchronize();
   }
   void synchronizeDevice(const c10::DeviceIndex) const override {
     Runtime::Get().SynchronizeAll();
@@ -290,8 +312,8 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, SimGuardImpl);
 
 // Hooks: tell torch (and dtorch's sync(devices=None)) whether this process has used the device.
 struct SimHooks final : at::PrivateUse1HooksInterface {
-  bool hasPrimaryContext(c10::DeviceIndex) const override {
-    return Runtime::Get().StreamCount() > 0;
+  bool hasPrimaryContext(c10::DeviceIndex device) const override {
+    return Runtime::Get().StreamCount(device) > 0;
   }
 };
 
@@ -313,6 +335,7 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
                                std::optional<c10::Layout> layout,
                                std::optional<c10::Device> device, std::optional<bool> pin_memory,
                                std::optional<c10::MemoryFormat> memory_format) {
+  const c10::OptionalDeviceGuard guard(device);  // the allocator allocates on the current device
   constexpr c10::DispatchKeySet ks(c10::DispatchKey::PrivateUse1);
   return at::detail::empty_generic(size, &allocator, ks, c10::dtype_or_default(dtype),
                                    memory_format);
@@ -321,6 +344,7 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                          std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
                          std::optional<c10::Device> device, std::optional<bool> pin_memory) {
+  const c10::OptionalDeviceGuard guard(device);
   constexpr c10::DispatchKeySet ks(c10::DispatchKey::PrivateUse1);
   return at::detail::empty_strided_generic(size, stride, &allocator, ks,
                                            c10::dtype_or_default(dtype));
@@ -329,7 +353,7 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 // Copies are ordered on the current stream. A copy that touches host memory waits for its turn
 // (like a blocking cudaMemcpy), so the host side is safe to use or free afterwards.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
-  StreamWorker& worker = CurrentWorker();
+  StreamWorker& worker = WorkerFor(dst.is_privateuseone() ? dst : self);
   worker.Enqueue([self, dst] { HostAlias(dst).copy_(HostAlias(self)); });
   if (!self.is_privateuseone() || !dst.is_privateuseone()) {
     worker.Synchronize();
@@ -340,7 +364,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
 }
 
 at::Tensor& fill_scalar(at::Tensor& self, const at::Scalar& value) {
-  CurrentWorker().Enqueue([self, value] { HostAlias(self).fill_(value); });
+  WorkerFor(self).Enqueue([self, value] { HostAlias(self).fill_(value); });
   return self;
 }
 
@@ -348,8 +372,8 @@ at::Tensor Binary(const at::Tensor& a, const at::Tensor& b,
                   std::function<void(at::Tensor&, const at::Tensor&, const at::Tensor&)> op) {
   const auto dtype = at::result_type(a, b);
   at::Tensor out = at::empty(at::infer_size(a.sizes(), b.sizes()),
-                             a.options().dtype(dtype).device(c10::Device(kType, 0)));
-  CurrentWorker().Enqueue([out, a, b, op] {
+                             a.options().dtype(dtype).device(a.device()));
+  WorkerFor(a).Enqueue([out, a, b, op] {
     at::Tensor host_out = HostAlias(out);
     op(host_out, HostAlias(a), HostAlias(b));
   });
@@ -418,12 +442,21 @@ void fail_kernel(const std::string& message) {
 int64_t new_stream() { return Runtime::Get().NewStream(); }
 
 int64_t set_stream(int64_t id) {
-  const int64_t previous = current_stream;
-  current_stream = id;
+  const int64_t previous = current_stream[current_device];
+  current_stream[current_device] = id;
   return previous;
 }
 
-int64_t get_stream() { return current_stream; }
+int64_t get_stream() { return current_stream[current_device]; }
+
+int64_t set_device(int64_t index) {
+  TORCH_CHECK(index >= 0 && index < kDeviceCount, "simdev: no device simdev:", index);
+  const int64_t previous = current_device;
+  current_device = static_cast<c10::DeviceIndex>(index);
+  return previous;
+}
+
+int64_t get_device() { return current_device; }
 
 void synchronize() { Runtime::Get().SynchronizeAll(); }
 
@@ -457,8 +490,11 @@ TORCH_LIBRARY(simdev, m) {
   // A kernel on the current stream that faults; the stream's later events report the fault.
   m.def("fail(str message) -> ()", &simdev::fail_kernel);
   m.def("new_stream() -> int", &simdev::new_stream);
-  // Makes stream `id` current on this thread; returns the previous one.
+  // Makes stream `id` current (for the current device) on this thread; returns the previous one.
   m.def("set_stream(int id) -> int", &simdev::set_stream);
+  // Makes simdev:`index` current on this thread; returns the previous index.
+  m.def("set_device(int index) -> int", &simdev::set_device);
+  m.def("get_device() -> int", &simdev::get_device);
   m.def("get_stream() -> int", &simdev::get_stream);
   m.def("synchronize() -> ()", &simdev::synchronize);
   // Whether the allocation starting at `address` (a data_ptr()) has not been freed yet.
