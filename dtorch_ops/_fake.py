@@ -106,9 +106,9 @@ def _get_tensor_fake(input, promise):
 def _get_tensor_async_fake(input):
     _require_fake_mode("get_tensor_async", input)
     # The op's output must convert to the schema's class type (a FakeScriptObject does not), so
-    # the fake output is a real future that can only report that it came from tracing. On torch
-    # 2.13 Dynamo then graph-breaks at the op and runs it eagerly; capturing it in the graph is
-    # the torch.compile work (see tests/test_compile.py).
+    # the fake output is a real future that can only report that it came from tracing. Dynamo
+    # (torch 2.13) then graph-breaks at the op and runs it eagerly: ops returning a new script
+    # object cannot be captured (tests/test_compile.py, ..._fall_back_with_a_graph_break).
     promise = torch.classes.dtorch.TensorPromise("memory")
     future = promise.get_future()
     promise.set_exception(
