@@ -125,7 +125,17 @@ class Cuda:
 
 
 def available():
-    devices = [SimDev()]
+    """The simulated device (it must build: in CI a failure is an error) and CUDA if present."""
+    import os
+    import warnings
+
+    devices = []
+    try:
+        devices.append(SimDev())
+    except Exception as e:  # noqa: BLE001 - reported below
+        if os.environ.get("CI") or not torch.cuda.is_available():
+            raise
+        warnings.warn(f"the simulated device did not build ({e}); testing CUDA only")
     if torch.cuda.is_available():
         devices.append(Cuda())
     return devices
