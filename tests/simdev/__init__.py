@@ -49,20 +49,21 @@ def _device_module():
 
 
 @contextlib.contextmanager
+def _current(setter, value):
+    """Calls setter(value), which returns the previous value, and restores that on exit."""
+    previous = setter(value)
+    try:
+        yield
+    finally:
+        setter(previous)
+
+
 def device(index: int):
     """Makes simdev:`index` the current device on this thread inside the block."""
-    previous = torch.ops.simdev.set_device(index)
-    try:
-        yield
-    finally:
-        torch.ops.simdev.set_device(previous)
+    return _current(torch.ops.simdev.set_device, index)
 
 
-@contextlib.contextmanager
 def stream(stream_id: int):
-    """Makes simdev stream `stream_id` current on this thread inside the block."""
-    previous = torch.ops.simdev.set_stream(stream_id)
-    try:
-        yield
-    finally:
-        torch.ops.simdev.set_stream(previous)
+    """Makes simdev stream `stream_id` current (for the current device) on this thread inside the
+    block."""
+    return _current(torch.ops.simdev.set_stream, stream_id)
