@@ -12,6 +12,13 @@ from .config import config
 
 _QUALNAME_PREFIX = "__torch__.torch.classes.dtorch."
 
+# The ops, looked up once (the library is loaded before this module is imported).
+_get_tensor = torch.ops.dtorch.get_tensor.default
+_get_tensor_async = torch.ops.dtorch.get_tensor_async.default
+_sync = torch.ops.dtorch.sync.default
+_sync_into = torch.ops.dtorch.sync_into.default
+_sync_wait = torch.ops.dtorch.sync_wait.default
+
 # A blocking get() waits in slices of this length so that Python signal handlers (Ctrl-C) still
 # run; each slice is one wait in C++ with the GIL released, so waiting costs no CPU.
 _GET_SLICE_MS = 100
@@ -337,13 +344,13 @@ def get_tensor(t: torch.Tensor, promise) -> None:
     Returns at once. Usable inside torch.compile'd code with a promise created outside.
     """
     _check_local_tensor(t, "get_tensor")
-    torch.ops.dtorch.get_tensor.default(t, _raw_promise(promise))
+    _get_tensor(t, _raw_promise(promise))
 
 
 def to_torch_async(t: torch.Tensor) -> TensorFuture:
     """Returns at once a future that yields t (aliased, no copy) when the work producing it is done."""
     _check_local_tensor(t, "to_torch_async")
-    return TensorFuture._wrap(torch.ops.dtorch.get_tensor_async.default(t))
+    return TensorFuture._wrap(_get_tensor_async(t))
 
 
 def to_torch(t: torch.Tensor) -> torch.Tensor:
@@ -384,7 +391,7 @@ def sync(devices=None) -> None:
     """
     if torch.compiler.is_compiling():
         # In a graph: the sync_wait op, an ordered effect that compiled code keeps in place.
-        torch.ops.dtorch.sync_wait.default(_device_list(devices))
+        _sync_wait(_device_list(devices))
     else:
         # Eager: wait in slices, so that Ctrl-C can interrupt a sync on a hung device.
         sync_async(devices).get()
@@ -392,9 +399,9 @@ def sync(devices=None) -> None:
 
 def sync_async(devices=None) -> VoidFutureCollect:
     """Like sync(), but returns at once an awaitable VoidFutureCollect (get / wait / await)."""
-    return VoidFutureCollect._wrap(torch.ops.dtorch.sync.default(_device_list(devices)))
+    return VoidFutureCollect._wrap(_sync(_device_list(devices)))
 
 
 def sync_into(devices, promise) -> None:
     """Fulfils a VoidPromise (it may belong to another process) when the devices are done."""
-    torch.ops.dtorch.sync_into.default(_device_list(devices), _raw_promise(promise, VoidPromise))
+    _sync_into(_device_list(devices), _raw_promise(promise, VoidPromise))
