@@ -6,6 +6,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "ops/device_completion.h"
 #include "ops/futures.h"
 #include "ops/get_tensor.h"
 #include "ops/sync.h"
@@ -158,6 +159,9 @@ TORCH_LIBRARY(dtorch, m) {
   // The blocking sync: returns when the work queued so far on the devices is done.
   m.def(torch::schema("sync_wait(Device[]? devices=None) -> ()",
                       c10::AliasAnalysisKind::CONSERVATIVE));
+  // Process exit only (dtorch_ops' atexit handler): pending device values are dropped, so that
+  // no library thread touches Python while the interpreter is torn down.
+  m.def(torch::schema("_at_exit() -> ()", c10::AliasAnalysisKind::CONSERVATIVE));
 }
 
 // Kernels. They are registered here, after TORCH_LIBRARY in the same translation unit, because
@@ -193,6 +197,7 @@ TORCH_LIBRARY_IMPL(dtorch, CompositeExplicitAutograd, m) {
   m.impl("sync", &dtorch::kernels::sync);
   m.impl("sync_into", &dtorch::kernels::sync_into);
   m.impl("sync_wait", &dtorch::kernels::sync_wait);
+  m.impl("_at_exit", &dtorch::StopDeviceCompletionsAtExit);
 }
 
 // Autocast keys are not fallthrough for ops with custom-class arguments (pytorch#158414), and

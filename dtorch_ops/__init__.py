@@ -10,6 +10,7 @@ Raw ops and classes (TorchScript, C++, torch.compile): ``torch.ops.dtorch.get_te
 ``get_tensor``, ``sync``, ``sync_into``, ``sync_wait``; ``torch.classes.dtorch.TensorFuture``,
 ``TensorPromise``, ``VoidFuture``, ``VoidPromise``, ``VoidFutureCollect``.
 """
+import atexit as _atexit
 import os as _os
 
 import torch as _torch
@@ -29,6 +30,10 @@ def _load_native_library():
 
 
 _load_native_library()
+
+# Before the interpreter is torn down: library threads must stop completing (and so releasing
+# tensors that Python objects own) while Python can still serve them.
+_atexit.register(_torch.ops.dtorch._at_exit.default)
 
 from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
 from .config import config  # noqa: E402

@@ -136,6 +136,11 @@ def _sync_wait_fake(devices=None):
     return None
 
 
+@torch.library.register_fake("dtorch::_at_exit")
+def _at_exit_fake():
+    return None
+
+
 def _register_ordered_effect(qualname: str) -> None:
     """Marks an op with side effects but no script-object argument (those are ordered effects
     already) as an ordered effect: compiled graphs keep it and do not reorder it."""

@@ -6,6 +6,7 @@ same tests, parametrized over the available devices."""
 import asyncio
 import contextlib
 import gc
+import os
 import threading
 import time
 
@@ -188,3 +189,47 @@ def test_values_on_a_second_device(dev):
     value = fut.wait(WAIT_MS)
     assert value.device == torch.device(dev.name, 1)
     assert torch.equal(value.cpu(), torch.full((3,), 4.0))
+
+
+_FIRE_AND_FORGET = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import devices
+import dtorch_ops
+dev = [d for d in devices.available() if d.name == {name!r}][0]
+for _ in range(20):
+    dev.sleep(5)
+    dtorch_ops.to_torch_async(torch.ones(1 << 10, device={name!r}) * 2)  # nobody keeps it
+print("exiting with values pending")
+"""
+
+
+def test_exit_with_pending_values_is_clean(dev):
+    # Pending completions hold the last reference to tensors that Python created; releasing one
+    # needs the GIL, so no library thread may do it while the interpreter is torn down.
+    import subprocess
+    import sys
+
+    script = _FIRE_AND_FORGET.format(tests=os.path.dirname(os.path.abspath(__file__)),
+                                     name=dev.name)
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "exiting with values pending" in proc.stdout
+
+
+def test_a_pending_device_get_tensor_claims_its_promise(dev):
+    promise = dtorch_ops.TensorPromise()
+    future = promise.get_future()
+    with dev.busy():
+        first = torch.ones(2, device=dev.name) * 5
+        dtorch_ops.get_tensor(first, promise)  # pending behind the busy stream
+        # Any other completion raises now, as on CPU, instead of being dropped later.
+        with pytest.raises(RuntimeError, match="already satisfied"):
+            dtorch_ops.get_tensor(torch.ones(2, device=dev.name), promise)
+        with pytest.raises(RuntimeError, match="already satisfied"):
+            promise.set_value(torch.zeros(2))
+        with pytest.raises(RuntimeError, match="already satisfied"):
+            promise.set_exception("late")
+    assert torch.equal(future.wait(WAIT_MS).cpu(), torch.full((2,), 5.0))

@@ -99,6 +99,18 @@ def test_sync_default_devices_in_a_process_without_an_accelerator():
     assert proc.stdout.strip() == "[device(type='cpu')]"
 
 
+def test_a_pending_sync_into_claims_its_promise(dev):
+    promise = dtorch_ops.VoidPromise()
+    future = promise.get_future()
+    with dev.busy():
+        dtorch_ops.sync_into(dev.name, promise)
+        with pytest.raises(RuntimeError, match="already satisfied"):
+            promise.set_value()
+        with pytest.raises(RuntimeError, match="already satisfied"):
+            dtorch_ops.sync_into("cpu", promise)
+    assert future.wait(WAIT_MS) is None
+
+
 def test_sync_into_completes_a_void_promise():
     promise = dtorch_ops.VoidPromise()
     future = promise.get_future()
@@ -164,14 +176,22 @@ def test_blocking_sync_can_be_interrupted(dev):
 
     if dev.name != "simdev":
         pytest.skip("needs a stream that stays busy until released")
-    timer = threading.Timer(0.2, os.kill, args=(os.getpid(), signal.SIGINT))
+    about_to_sync = threading.Event()
+
+    def interrupt():  # only once the main thread is inside the pytest.raises block
+        about_to_sync.wait(10)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    sender = threading.Thread(target=interrupt)
+    sender.start()
     with dev.busy():
-        timer.start()
         start = time.perf_counter()
         with pytest.raises(KeyboardInterrupt):
+            about_to_sync.set()
             dtorch_ops.sync(dev.name)  # Ctrl-C reaches a sync on a stuck device
         assert time.perf_counter() - start < 5
-    timer.join()
+    sender.join(10)
 
 
 def test_sync_does_not_wait_for_other_streams(dev):

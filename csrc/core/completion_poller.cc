@@ -12,56 +12,51 @@ namespace dtorch::core {
 CompletionPoller& CompletionPoller::Instance() {
   // Leaked on purpose: detached poller threads may outlive static destruction.
   static CompletionPoller* poller = [] {
-    std::atexit(&CompletionPoller::OnExit);
+    std::atexit([] { Instance().Shutdown(/*timeout_ms=*/1000); });
     return new CompletionPoller();
   }();
   return *poller;
 }
 
-void CompletionPoller::OnExit() {
-  CompletionPoller& poller = Instance();
-  std::lock_guard<std::mutex> lock(poller.mu_);
-  poller.exiting_ = true;
-  for (auto& entry : poller.queues_) {
+void CompletionPoller::Shutdown(int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  exiting_ = true;
+  for (auto& entry : queues_) {
     for (auto& item : entry.second.items) (void)item.release();  // leaked: see the header
+    pending_ -= entry.second.items.size();
+    entry.second.items.clear();
   }
-  poller.work_cv_.notify_all();
+  work_cv_.notify_all();
+  idle_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [this] { return in_flight_ == 0; });
 }
 
 void CompletionPoller::Submit(const std::string& key,
                               std::unique_ptr<PendingCompletion> completion) {
-  bool start_thread = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Queue& queue = queues_[key];
-    queue.items.push_back(std::move(completion));
-    ++pending_;
-    if (!queue.has_thread) {
-      queue.has_thread = true;
-      ++threads_;
-      start_thread = true;
-    }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (exiting_) {
+    (void)completion.release();  // shutting down: see Shutdown
+    return;
   }
-  if (!start_thread) {
+  Queue& queue = queues_[key];
+  queue.items.push_back(std::move(completion));
+  ++pending_;
+  if (queue.has_thread) {
     work_cv_.notify_all();
     return;
   }
+  // Started under the lock: the new thread waits for it, and a failed start can take back
+  // exactly this completion (a queued item without a thread would keep its promise alive,
+  // unfulfilled, forever) before anyone else queues behind it.
   try {
     std::thread([this, key] { Run(key); }).detach();
   } catch (...) {
-    // No thread: take the completion back, so the caller's error is the only outcome (a queued
-    // item without a thread would keep its promise alive, unfulfilled, forever). A queue without
-    // a thread holds nothing else: its thread only exits once it is empty.
-    std::unique_ptr<PendingCompletion> dropped;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      dropped = std::move(queues_[key].items.back());
-      queues_.erase(key);
-      --threads_;
-      --pending_;
-    }
+    queue.items.pop_back();
+    --pending_;
+    if (queue.items.empty()) queues_.erase(key);
     throw;
   }
+  queue.has_thread = true;
+  ++threads_;
 }
 
 void CompletionPoller::Run(const std::string& key) {
@@ -84,33 +79,39 @@ void CompletionPoller::Run(const std::string& key) {
           return;
         }
       }
-      if (exiting_) return;  // OnExit leaked what was queued
+      if (exiting_) return;  // Shutdown leaked what was queued
       head = std::move(queue.items.front());
       queue.items.pop_front();
+      ++in_flight_;
     }
     // Only this thread takes items of this key, so the head stays the oldest while it is polled.
     std::exception_ptr error;
     microseconds backoff = kMinBackoff;
-    for (;;) {
+    bool done = false;
+    while (!done && !exiting_) {
       try {
-        if (head->Poll()) break;
+        done = head->Poll();
       } catch (...) {
         error = std::current_exception();
-        break;
+        done = true;
       }
-      std::this_thread::sleep_for(backoff);
-      backoff = std::min(backoff * 2, kMaxBackoff);
-      if (exiting_) {
-        (void)head.release();  // see OnExit
-        return;
+      if (!done) {
+        std::this_thread::sleep_for(backoff);
+        backoff = std::min(backoff * 2, kMaxBackoff);
       }
     }
-    head->Complete(error);
-    head.reset();  // release the tensor/event before counting the completion as done
+    if (done) {
+      head->Complete(error);
+      head.reset();  // release the tensor/event before counting the completion as done
+    } else {
+      (void)head.release();  // shutting down: leaked, see Shutdown
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       --pending_;
+      --in_flight_;
     }
+    idle_cv_.notify_all();
   }
 }
 

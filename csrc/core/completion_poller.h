@@ -9,10 +9,11 @@
 // Thousands of pending values on a few streams therefore cost a few threads.
 //
 // Lifetime: the poller is a process-wide singleton that is never destroyed; a completion keeps
-// whatever it needs (the tensor, the event, the promise) alive until Complete() has run. At
-// process exit (std::atexit) the threads stop touching completions: those still pending are
-// leaked rather than polled or destroyed while the runtime below them (a device driver, the
-// allocator) is being torn down.
+// whatever it needs (the tensor, the event, the promise) alive until Complete() has run.
+// Shutdown() (called at process exit: by dtorch_ops' Python atexit handler, before the
+// interpreter is torn down, and by std::atexit) stops the threads from touching completions:
+// those still pending are leaked rather than completed or destroyed while the runtime below them
+// (Python, a device driver, the allocator) is being torn down.
 //
 // Thread-safety: Submit() and the counters may be called from any thread.
 #pragma once
@@ -55,6 +56,11 @@ class CompletionPoller {
   size_t ThreadCount() const;
   size_t PendingCount() const;
 
+  // Stops all completion work for good: queued completions are leaked, and this waits (up to
+  // `timeout_ms`) for the ones being completed right now. Later Submit()s are leaked too.
+  // Idempotent; thread-safe.
+  void Shutdown(int64_t timeout_ms);
+
  private:
   struct Queue {
     std::deque<std::unique_ptr<PendingCompletion>> items;
@@ -63,14 +69,15 @@ class CompletionPoller {
 
   CompletionPoller() = default;
   void Run(const std::string& key);
-  static void OnExit();
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;
   std::map<std::string, Queue> queues_;  // guarded by mu_
   size_t threads_ = 0;                   // guarded by mu_
   size_t pending_ = 0;                   // guarded by mu_
-  std::atomic<bool> exiting_{false};     // set once, by OnExit (also read without mu_)
+  size_t in_flight_ = 0;                 // guarded by mu_: taken by a thread, not yet released
+  std::condition_variable idle_cv_;      // in_flight_ dropped
+  std::atomic<bool> exiting_{false};     // set once, by Shutdown (also read without mu_)
 };
 
 }  // namespace dtorch::core

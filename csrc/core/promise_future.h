@@ -50,8 +50,6 @@ class PromiseBackend {
   virtual void SetException(const std::string& message) = 0;
   // The consumer's end; throws FutureError(kFutureAlreadyRetrieved) when called twice.
   virtual std::unique_ptr<FutureBackend<T>> GetFuture() = 0;
-  // True once a value or an exception was set (a later set would throw).
-  virtual bool IsSatisfied() const = 0;
   virtual const char* Kind() const = 0;
 };
 
@@ -94,7 +92,6 @@ class MemoryPromise final : public PromiseBackend<T> {
     }
     return std::make_unique<MemoryFuture<T>>(state_);
   }
-  bool IsSatisfied() const override { return state_->IsComplete(); }
   const char* Kind() const override { return "memory"; }
 
  private:

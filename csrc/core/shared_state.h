@@ -107,12 +107,6 @@ class SharedState {
     return ready_ && !retrieved_;
   }
 
-  // True once completed (value or error), whether or not the value was taken since.
-  bool IsComplete() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return ready_;
-  }
-
   bool Valid() const {
     std::lock_guard<std::mutex> lock(mu_);
     return !retrieved_;

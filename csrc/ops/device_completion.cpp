@@ -71,4 +71,8 @@ void AfterCurrentStreamWork(const c10::Device& device, DeviceDoneCallback on_don
       std::make_unique<EventCompletion>(std::move(event), stream.device(), std::move(on_done)));
 }
 
+void StopDeviceCompletionsAtExit() {
+  core::CompletionPoller::Instance().Shutdown(/*timeout_ms=*/1000);
+}
+
 }  // namespace dtorch

@@ -21,4 +21,10 @@ using DeviceDoneCallback = std::function<void(const std::optional<std::string>& 
 // what it captures lives until it has run.
 void AfterCurrentStreamWork(const c10::Device& device, DeviceDoneCallback on_done);
 
+// At process exit: stops completing pending values (they are dropped, never fulfilled), waiting
+// briefly for completions in progress, so that no library thread touches Python or a device
+// runtime while they are torn down. dtorch_ops calls it from an atexit handler (op
+// dtorch::_at_exit); C++ programs get the same from std::atexit.
+void StopDeviceCompletionsAtExit();
+
 }  // namespace dtorch

@@ -90,37 +90,45 @@ template <typename T>
 Promise<T>::Promise(const std::string& kind) : kind_(kind), backend_(MakePromiseBackend<T>(kind)) {}
 
 template <typename T>
+void Promise<T>::Claim(const char* producer) {
+  TORCH_CHECK(!claimed_.exchange(true), "dtorch: promise already satisfied: the promise already "
+              "holds a value or an exception, or an asynchronous get_tensor/sync_into will set "
+              "one (", producer, " came second); a promise is fulfilled once, use a new one per "
+              "value");
+}
+
+template <typename T>
 void Promise<T>::SetValue(T value) {
   if constexpr (std::is_same_v<T, at::Tensor>) {
     TORCH_CHECK(value.defined(), "dtorch: set_value needs a defined tensor, got an undefined one");
   }
+  Claim("set_value");
   TranslateErrors([&] { backend_->SetValue(std::move(value)); });
 }
 
 template <typename T>
 void Promise<T>::SetException(const std::string& message) {
+  Claim("set_exception");
   TranslateErrors([&] { backend_->SetException(message); });
 }
 
 template <typename T>
-bool Promise<T>::TrySetValue(T value) {
+void Promise<T>::CompleteClaimed(T value) noexcept {
+  TORCH_INTERNAL_ASSERT(claimed_);
   try {
-    SetValue(std::move(value));
-    return true;
-  } catch (const c10::Error&) {
-    TORCH_INTERNAL_ASSERT(backend_->IsSatisfied());  // the only way a set can fail
-    return false;
+    backend_->SetValue(std::move(value));
+  } catch (...) {
+    // Cannot happen: the claim made this the only completion.
   }
 }
 
 template <typename T>
-bool Promise<T>::TrySetException(const std::string& message) {
+void Promise<T>::FailClaimed(const std::string& message) noexcept {
+  TORCH_INTERNAL_ASSERT(claimed_);
   try {
-    SetException(message);
-    return true;
-  } catch (const c10::Error&) {
-    TORCH_INTERNAL_ASSERT(backend_->IsSatisfied());
-    return false;
+    backend_->SetException(message);
+  } catch (...) {
+    // Cannot happen: the claim made this the only completion.
   }
 }
 

@@ -96,15 +96,16 @@ class Promise : public torch::CustomClassHolder {
   // Fulfils the promise; a second completion throws and the first value is kept.
   void SetValue(T value);
   void SetException(const std::string& message);
-  // The same, for producers that may race another one (a device completion): false, instead of
-  // an exception, when the promise was already satisfied.
-  bool TrySetValue(T value);
-  bool TrySetException(const std::string& message);
+  // For asynchronous producers (the device get_tensor kernel, sync_into): Claim() reserves the
+  // promise at once, so that any other completion (or claim) raises now, as on CPU, rather than
+  // being dropped later; the producer then completes it with CompleteClaimed / FailClaimed,
+  // which never throw.
+  void Claim(const char* producer);
+  void CompleteClaimed(T value) noexcept;
+  void FailClaimed(const std::string& message) noexcept;
   // The consumer's end; callable once.
   c10::intrusive_ptr<Future<T>> GetFuture();
   const std::string& Kind() const { return kind_; }
-  // True once a value or an exception was set.
-  bool IsSatisfied() const { return backend_->IsSatisfied(); }
   // A string another process can turn back into this promise. Memory promises cannot leave the
   // process and throw.
   std::string Serialize() const;
@@ -112,6 +113,7 @@ class Promise : public torch::CustomClassHolder {
  private:
   const std::string kind_;
   const std::unique_ptr<core::PromiseBackend<T>> backend_;
+  std::atomic<bool> claimed_{false};  // set once, by the first completion or claim
 };
 
 using TensorFuture = Future<at::Tensor>;

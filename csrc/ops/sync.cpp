@@ -4,7 +4,6 @@
 #include <utility>
 
 #include <ATen/Context.h>
-#include <ATen/DeviceAccelerator.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -35,11 +34,12 @@ void SyncCpu(const c10::intrusive_ptr<VoidPromise>& promise) { promise->SetValue
 
 // The device sync kernel: complete once the device's current stream reaches this point.
 void SyncDevice(const c10::Device& device, const c10::intrusive_ptr<VoidPromise>& promise) {
+  promise->Claim("sync");
   AfterCurrentStreamWork(device, [promise](const std::optional<std::string>& error) {
     if (error) {
-      promise->TrySetException(*error);
+      promise->FailClaimed(*error);
     } else {
-      promise->TrySetValue({});
+      promise->CompleteClaimed({});
     }
   });
 }
@@ -48,19 +48,21 @@ void SyncDevice(const c10::Device& device, const c10::intrusive_ptr<VoidPromise>
 
 std::vector<c10::Device> UsedDevices() {
   std::vector<c10::Device> used;
-  // The build's accelerator (CUDA, XPU, MPS, PrivateUse1, ...), if any: at most one per process.
-  const auto type = at::getAccelerator(/*checked=*/false);
-  if (type && c10::impl::hasDeviceGuardImpl(*type)) {
-    const auto count = c10::impl::VirtualGuardImpl(*type).deviceCount();
+  // Every accelerator type with a device guard in this process (a CUDA build with a PrivateUse1
+  // plugin loaded has two; at::getAccelerator() would name only one of them).
+  for (const auto type : {c10::kCUDA, c10::kHIP, c10::kXPU, c10::kMPS, c10::kMTIA,
+                          c10::kPrivateUse1}) {
+    if (!c10::impl::hasDeviceGuardImpl(type)) continue;
+    const auto count = c10::impl::VirtualGuardImpl(type).deviceCount();
     for (c10::DeviceIndex index = 0; index < count; ++index) {
       bool has_context = false;
       try {
         has_context =
-            at::globalContext().getAcceleratorHooksInterface(*type).hasPrimaryContext(index);
+            at::globalContext().getAcceleratorHooksInterface(type).hasPrimaryContext(index);
       } catch (const c10::Error&) {
         // A backend without hooks cannot tell: it is not counted as used.
       }
-      if (has_context) used.emplace_back(*type, index);
+      if (has_context) used.emplace_back(type, index);
     }
   }
   if (used.empty()) used.emplace_back(c10::kCPU);
@@ -119,18 +121,16 @@ c10::intrusive_ptr<VoidFutureCollect> sync(const DeviceList& devices) {
 
 void sync_into(const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>& promise) {
   TORCH_CHECK(promise, "dtorch: sync_into needs a VoidPromise, got None");
-  TORCH_CHECK(!promise->IsSatisfied(), "dtorch: sync_into: the promise already holds a value or "
-              "an exception; a promise is fulfilled once, use a new one per sync");
-  auto collect = sync(devices);
+  auto collect = sync(devices);  // first: a bad device raises before the promise is claimed
+  promise->Claim("sync_into");
   collect->OnReady([collect, promise] {
-    // Satisfied meanwhile by another producer? The first completion stands.
     try {
       collect->Get();
     } catch (const c10::Error& e) {
-      promise->TrySetException(NestedMessage(e));
+      promise->FailClaimed(NestedMessage(e));
       return;
     }
-    promise->TrySetValue({});
+    promise->CompleteClaimed({});
   });
 }
 

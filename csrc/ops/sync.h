@@ -23,8 +23,8 @@ void Sync(const DeviceList& devices = std::nullopt);
 // dtorch::sync_into: completes `promise` (possibly another process's) when every device is done.
 void SyncInto(const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>& promise);
 
-// The devices of this build's accelerator (CUDA, XPU, MPS, PrivateUse1, ...) that this process
-// has used (a context exists on them); {cpu} when there is none.
+// The accelerator devices (CUDA, HIP, XPU, MPS, MTIA, PrivateUse1) that this process has used (a
+// context exists on them); {cpu} when there is none.
 std::vector<c10::Device> UsedDevices();
 
 namespace kernels {

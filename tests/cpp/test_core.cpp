@@ -244,6 +244,30 @@ static void TestReadyNotifier() {
   ++g_passed;
 }
 
+// Last: the poller cannot be used afterwards.
+static void TestPollerShutdown() {
+  auto& poller = CompletionPoller::Instance();
+  std::atomic<int> device{0};  // never advances: these never complete
+  std::atomic<int> errors{0};
+  std::mutex mu;
+  std::vector<int> completed;
+  for (int i = 0; i < 100; ++i) {
+    poller.Submit("stuck", std::make_unique<TicketCompletion>(&device, 1, false, &completed, &mu,
+                                                             &errors));
+  }
+  CHECK(poller.PendingCount() == 100);
+  const auto start = std::chrono::steady_clock::now();
+  poller.Shutdown(5000);
+  CHECK(std::chrono::steady_clock::now() - start < 3s);  // the stuck head was abandoned
+  CHECK(poller.PendingCount() == 0 && completed.empty());
+  poller.Submit("late", std::make_unique<TicketCompletion>(&device, 0, false, &completed, &mu,
+                                                          &errors));
+  std::this_thread::sleep_for(50ms);
+  CHECK(completed.empty());  // after shutdown nothing completes
+  poller.Shutdown(1000);     // idempotent
+  ++g_passed;
+}
+
 int main() {
   TestReadyNotifier();
   TestValueAndConsume();
@@ -252,6 +276,7 @@ int main() {
   TestBlockedWaiterWokenFromAnotherThread();
   TestCallbacks();
   TestPollerBoundedThreadsAndOrder();
+  TestPollerShutdown();
   std::printf("core tests: %d passed\n", g_passed);
   return 0;
 }

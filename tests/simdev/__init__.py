@@ -3,6 +3,7 @@
 ``load()`` compiles tests/simdev/simdev.cpp (once; ninja rebuilds it when it changes), loads it
 and renames PrivateUse1 to "simdev". Not part of the dtorch_ops package.
 """
+import atexit
 import contextlib
 import os
 import types
@@ -26,6 +27,9 @@ def load() -> None:
                    extra_cflags=["-O1"], verbose=False)
     torch.utils.rename_privateuse1_backend("simdev")
     torch._register_device_module("simdev", _device_module())
+    # Runs before dtorch_ops' own handler (atexit is last in, first out): the device's work ends,
+    # and dtorch's pollers complete what it produced, while Python can still serve them.
+    atexit.register(torch.ops.simdev.drain_at_exit)
     _loaded = True
 
 

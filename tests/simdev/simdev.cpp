@@ -435,6 +435,17 @@ void release_gate(int64_t gate) {
   gate_cv.notify_all();
 }
 
+// At exit: open every gate and finish all queued work, so that no worker thread releases a tensor
+// (which may need Python's GIL) while the interpreter is torn down.
+void drain_at_exit() {
+  {
+    std::lock_guard<std::mutex> lock(gate_mu);
+    closed_gates.clear();
+  }
+  gate_cv.notify_all();
+  Runtime::Get().SynchronizeAll();
+}
+
 void fail_kernel(const std::string& message) {
   CurrentWorker().Enqueue([message]() { throw std::runtime_error(message); });
 }
@@ -487,6 +498,8 @@ TORCH_LIBRARY(simdev, m) {
   // A kernel on the current stream that waits until release(gate) is called; returns the gate.
   m.def("hold() -> int", &simdev::hold_kernel);
   m.def("release(int gate) -> ()", &simdev::release_gate);
+  // Process exit: opens all gates and finishes all queued work (see drain_at_exit).
+  m.def("drain_at_exit() -> ()", &simdev::drain_at_exit);
   // A kernel on the current stream that faults; the stream's later events report the fault.
   m.def("fail(str message) -> ()", &simdev::fail_kernel);
   m.def("new_stream() -> int", &simdev::new_stream);
