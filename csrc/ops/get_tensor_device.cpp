@@ -11,14 +11,22 @@ void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorP
   TORCH_CHECK(promise, "dtorch: get_tensor needs a TensorPromise, got None");
   // Claimed now: a used promise raises here, as on CPU, and any later completion raises too.
   promise->Claim("get_tensor");
-  // The callback owns the tensor until the event fired: its memory outlives the device work.
-  AfterCurrentStreamWork(input.device(), [input, promise](const std::optional<std::string>& error) {
-    if (error) {
-      promise->FailClaimed(*error + " (while waiting for the tensor)");
-    } else {
-      promise->CompleteClaimed(input);
-    }
-  });
+  try {
+    // The callback owns the tensor until the event fired: its memory outlives the device work.
+    AfterCurrentStreamWork(input.device(),
+                           [input, promise](const std::optional<std::string>& error) {
+                             if (error) {
+                               promise->FailClaimed(*error + " (while waiting for the tensor)");
+                             } else {
+                               promise->CompleteClaimed(input);
+                             }
+                           });
+  } catch (const c10::Error& e) {
+    // Nothing will complete the claimed promise: fail it, so its waiter does not hang either.
+    promise->FailClaimed("get_tensor could not wait for " + input.device().str() + ": " +
+                         NestedMessage(e));
+    throw;
+  }
 }
 
 }  // namespace dtorch::kernels
