@@ -210,6 +210,7 @@ TORCH_LIBRARY_IMPL(dtorch, CompositeExplicitAutograd, m) {
     m.impl("sync", torch::CppFunction::makeFallthrough());             \
     m.impl("sync_into", torch::CppFunction::makeFallthrough());        \
     m.impl("sync_wait", torch::CppFunction::makeFallthrough());        \
+    m.impl("_at_exit", torch::CppFunction::makeFallthrough());         \
   }
 DTORCH_AUTOCAST_FALLTHROUGH(AutocastCPU)
 DTORCH_AUTOCAST_FALLTHROUGH(AutocastCUDA)
