@@ -14,6 +14,10 @@ from conftest import Heartbeat
 TIMEOUT_S = 10
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
@@ -180,9 +184,6 @@ async def _await_wrapped(raw):
 
 
 def test_event_loops_do_not_leak_file_descriptors():
-    def open_fds():
-        return len(os.listdir("/proc/self/fd"))
-
     async def one_loop():
         promise = dtorch_ops.TensorPromise()
         future = promise.get_future()
@@ -242,9 +243,6 @@ async def _awaited(future):
 
 def test_a_loop_closed_with_pending_awaits_is_released():
     from dtorch_ops import futures
-
-    def open_fds():
-        return len(os.listdir("/proc/self/fd"))
 
     promises = []
 
