@@ -3,7 +3,8 @@
 Two native artifacts:
   dtorch_ops/libdtorch_ops.so  the ops, kernels and custom classes; links libtorch only (no
                                Python), so a libtorch C++ program can link or dlopen it too;
-  dtorch_ops/_C.*.so           a bare Python module whose import loads libdtorch_ops.so.
+  dtorch_ops/_C.*.so           the Python module: a direct pybind11 binding of the library's
+                               classes and ops (the only part that links libtorch_python).
 
 Build with `pip install --no-build-isolation -e .` against the torch already installed (torch is
 deliberately not a build requirement: pip would pick a multi-GB CUDA build by itself).
@@ -59,14 +60,12 @@ setup(
                 extra_compile_args={"cxx": CXX_FLAGS},
             )
         ),
-        _without_libtorch_python(
-            CppExtension(
-                "dtorch_ops._C",
-                sources=_sources("python/*.cpp"),
-                extra_compile_args={"cxx": CXX_FLAGS},
-                # --no-as-needed: _C uses no symbol of the library, it exists to load it.
-                extra_link_args=["-Wl,--no-as-needed", "-l:libdtorch_ops.so", "-Wl,-rpath,$ORIGIN"],
-            )
+        # The direct binding: torch's pybind11 and libtorch_python, linked to the library.
+        CppExtension(
+            "dtorch_ops._C",
+            sources=_sources("python/*.cpp"),
+            extra_compile_args={"cxx": CXX_FLAGS},
+            extra_link_args=["-l:libdtorch_ops.so", "-Wl,-rpath,$ORIGIN"],
         ),
     ],
     cmdclass={"build_ext": BuildDtorchExtensions},

@@ -18,10 +18,19 @@ using dtorch::Promise;
 using dtorch::ReadyNotifier;
 using dtorch::VoidFutureCollect;
 
-// Handles compare equal when they refer to the same object (tracing and opcheck compare inputs).
+// Handles compare equal when they refer to the same object (tracing and opcheck compare inputs);
+// anything else (None, another class) compares unequal rather than raising.
 template <typename C>
-bool SameObject(const c10::intrusive_ptr<C>& self, const c10::intrusive_ptr<C>& other) {
-  return self.get() == other.get();
+bool SameObject(const c10::intrusive_ptr<C>& self, const c10::IValue& other) {
+  if (!other.isObject()) return false;
+  const auto& object = other.toObjectRef();
+  if (object.slots().size() != 1 || !object.getSlot(0).isCapsule()) return false;
+  return object.getSlot(0).toCapsule().get() == static_cast<torch::CustomClassHolder*>(self.get());
+}
+
+template <typename C>
+bool NotSameObject(const c10::intrusive_ptr<C>& self, const c10::IValue& other) {
+  return !SameObject(self, other);
 }
 
 // `len(obj)` must raise TypeError, as for any Python object without a length: without a __len__
@@ -44,6 +53,7 @@ template <typename C>
 torch::class_<C>& HandleBasics(torch::class_<C>& cls) {
   return cls.def("__obj_flatten__", &FlattenKind<C>)
       .def("__eq__", &SameObject<C>)
+      .def("__ne__", &NotSameObject<C>)
       .def("__len__", &NoLength<C>);
 }
 
@@ -168,8 +178,16 @@ TORCH_LIBRARY(dtorch, m) {
 // an impl whose signature names a custom class needs that class registered first, and static
 // initialisation order across translation units is unspecified.
 
-// Host memory: the value is ready now (dense, sparse and quantized layouts alike).
+// Host memory: the value is ready now (dense, sparse, quantized, mkldnn and strided nested
+// layouts alike).
 TORCH_LIBRARY_IMPL(dtorch, CPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu); }
+TORCH_LIBRARY_IMPL(dtorch, MkldnnCPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu); }
+TORCH_LIBRARY_IMPL(dtorch, NestedTensorCPU, m) {
+  m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu);
+}
+TORCH_LIBRARY_IMPL(dtorch, NestedTensorCUDA, m) {
+  m.impl("get_tensor", &dtorch::kernels::get_tensor_device);
+}
 TORCH_LIBRARY_IMPL(dtorch, SparseCPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu); }
 TORCH_LIBRARY_IMPL(dtorch, SparseCsrCPU, m) {
   m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu);
@@ -198,6 +216,21 @@ TORCH_LIBRARY_IMPL(dtorch, CompositeExplicitAutograd, m) {
   m.impl("sync_into", &dtorch::kernels::sync_into);
   m.impl("sync_wait", &dtorch::kernels::sync_wait);
   m.impl("_at_exit", &dtorch::StopDeviceCompletionsAtExit);
+}
+
+// The ops compute nothing to differentiate: nested tensors' autograd key (which, unlike the
+// dense ones, has no autograd fallback) passes them through to the backend kernels.
+TORCH_LIBRARY_IMPL(dtorch, AutogradNestedTensor, m) {
+  m.impl("get_tensor", torch::CppFunction::makeFallthrough());
+  m.impl("get_tensor_async", torch::CppFunction::makeFallthrough());
+}
+
+// torch.func transforms (grad, vjp, jacrev, jvp, vmap, functionalize) would hand the op their
+// internal, unwrapped tensor: a future of it carries no gradient (grad of t * to_torch(t) came
+// out as t, not 2t). Refuse inside a transform, as vmap refuses ops without a batching rule.
+TORCH_LIBRARY_IMPL(dtorch, FuncTorchDynamicLayerFrontMode, m) {
+  m.impl("get_tensor", &dtorch::kernels::refuse_in_transform_get_tensor);
+  m.impl("get_tensor_async", &dtorch::kernels::refuse_in_transform_get_tensor_async);
 }
 
 // Autocast keys are not fallthrough for ops with custom-class arguments (pytorch#158414), and

@@ -18,7 +18,7 @@ import torch as _torch
 
 def _load_native_library():
     try:
-        from . import _C  # noqa: F401  (its import loads libdtorch_ops.so and registers the ops)
+        from . import _C  # noqa: F401  (the binding; loads libdtorch_ops.so, which registers the ops)
     except (ImportError, OSError) as e:
         raise ImportError(
             "dtorch_ops: the compiled library could not be loaded "
@@ -31,9 +31,19 @@ def _load_native_library():
 
 _load_native_library()
 
-# Before the interpreter is torn down: library threads must stop completing (and so releasing
-# tensors that Python objects own) while Python can still serve them.
-_atexit.register(_torch.ops.dtorch._at_exit.default)
+
+
+def _at_exit():
+    """Before the interpreter is torn down: threads that finish a wait from now on park instead
+    of re-taking the GIL (which aborts once finalization has begun), and library threads stop
+    completing (and so releasing tensors that Python objects own) while Python can serve them."""
+    from . import _C
+
+    _C.close_exit_gate()
+    _torch.ops.dtorch._at_exit.default()
+
+
+_atexit.register(_at_exit)
 
 from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
 from .config import config  # noqa: E402

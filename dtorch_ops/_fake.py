@@ -96,9 +96,31 @@ _register_fake_class(
 _register_fake_class("ReadyNotifier", ("fileno", "drain"), "it belongs to an event loop")
 
 
+def _in_cross_ref_check() -> bool:
+    """Whether torch's CrossRefFakeMode (torch.library.opcheck's fake-tensor check) runs this
+    fake kernel: it passes the real promise to the fake kernel, then runs the real op with it."""
+    from torch._subclasses.fake_utils import CrossRefFakeMode
+
+    code = CrossRefFakeMode.__torch_dispatch__.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 @torch.library.register_fake("dtorch::get_tensor")
 def _get_tensor_fake(input, promise):
     _require_fake_mode("get_tensor", input)
+    if isinstance(promise, torch.ScriptObject) and not _in_cross_ref_check():
+        # Tracing hands fake kernels stand-ins (FakeScriptObject); a real promise means the op
+        # was called under FakeTensorMode by hand, where no value exists to fulfil it with.
+        raise RuntimeError(
+            "dtorch: get_tensor ran under FakeTensorMode with a real promise: fake tensors have "
+            "no value, so the promise would never be fulfilled; call it outside FakeTensorMode "
+            "(or trace it with torch.compile / torch.export)"
+        )
     return None
 
 

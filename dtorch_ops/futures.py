@@ -1,4 +1,10 @@
-"""The Python API: future/promise wrappers over the raw script objects, and the ops' entry points."""
+"""The Python API: plain Python classes over the direct binding (dtorch_ops._C).
+
+Each future or promise holds ``_h``, a handle of the ``_C`` module to the C++ object, which every
+method calls directly (one call each), and gives ``.raw``, the TorchScript object
+(``torch.classes.dtorch.*``) of the very same C++ state, for TorchScript and ``torch.ops`` calls.
+Inside ``torch.compile`` the functions keep to the ops, which Dynamo can trace.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,42 +14,28 @@ import weakref
 
 import torch
 
+from . import _C
 from .config import config
 
-_QUALNAME_PREFIX = "__torch__.torch.classes.dtorch."
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling  # Dynamo folds it to True while it traces
+_new = object.__new__
 
-# The ops, looked up once (the library is loaded before this module is imported).
-_get_tensor = torch.ops.dtorch.get_tensor.default
-_get_tensor_async = torch.ops.dtorch.get_tensor_async.default
-_sync = torch.ops.dtorch.sync.default
-_sync_into = torch.ops.dtorch.sync_into.default
-_sync_wait = torch.ops.dtorch.sync_wait.default
-
-# A blocking get() waits in slices of this length so that Python signal handlers (Ctrl-C) still
-# run; each slice is one wait in C++ with the GIL released, so waiting costs no CPU.
-_GET_SLICE_MS = 100
-
-# The raw wait's timeout message starts with this (csrc/core/future_error.h: "dtorch: <code>: ").
-_RAW_TIMEOUT_PREFIX = "dtorch: timed out:"
-_TIMED_OUT = object()
-
-
-def _raw_wait(raw, timeout_ms: int):
-    """raw.wait(timeout_ms): the value, or _TIMED_OUT (one call into C++ either way)."""
-    try:
-        return raw.wait(timeout_ms)
-    except RuntimeError as e:
-        if str(e).startswith(_RAW_TIMEOUT_PREFIX):
-            return _TIMED_OUT
-        raise
+# The ops, for compiled code (Dynamo traces torch.ops, not the _C binding).
+_get_tensor_op = torch.ops.dtorch.get_tensor.default
+_get_tensor_async_op = torch.ops.dtorch.get_tensor_async.default
+_sync_op = torch.ops.dtorch.sync.default
+_sync_wait_op = torch.ops.dtorch.sync_wait.default
 
 
 class _LoopWaker:
     """One per asyncio loop: the loop watches a ReadyNotifier's eventfd; completing futures post
     their waiter's token to it from whatever thread completes them, without taking the GIL."""
 
+    __slots__ = ("notifier", "waiters", "_tokens", "__weakref__")
+
     def __init__(self, loop):
-        self.notifier = torch.classes.dtorch.ReadyNotifier()
+        self.notifier = _C.ReadyNotifier()
         # token -> asyncio.Future, touched only on the loop's thread. Weak: a waiter lives as long
         # as the dtorch future's wrapper (or a task awaiting it) holds it, so neither a closed loop
         # with pending awaits nor an abandoned future is kept alive from here.
@@ -63,41 +55,51 @@ class _LoopWaker:
                 waiter.set_result(None)
 
 
-# Weakly keyed: a loop that is gone takes its waker (and, once no completion holds it, its
-# eventfd) with it.
+# Weakly keyed: a loop that is gone takes its waker, and with it the eventfd (pending futures hold
+# the notifier weakly), along.
 _loop_wakers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]" = (
     weakref.WeakKeyDictionary()
 )
 
 
+def _waker_for(loop) -> _LoopWaker:
+    waker = _loop_wakers.get(loop)
+    if waker is None:
+        # A new loop: release the eventfds of closed ones now, rather than when (or if) the
+        # garbage collector frees them (asyncio.run per request would otherwise pile them up).
+        for old in [old for old in _loop_wakers.keys() if old.is_closed()]:
+            _loop_wakers.pop(old, None)
+        waker = _loop_wakers[loop] = _LoopWaker(loop)
+    return waker
+
+
 async def _await_ready(waitable) -> None:
-    """Suspends until waitable._raw is ready: woken by the completion itself, no polling, no
-    thread. One registration per (future, loop), however often the await is cancelled and
-    retried (asyncio.wait_for with a timeout in a loop, say)."""
-    raw = waitable._raw
-    if raw.is_ready():
+    """Suspends until waitable is ready: woken by the completion itself, no polling, no thread.
+    One registration per (future, loop), however often the await is cancelled and retried
+    (asyncio.wait_for with a timeout in a loop, say)."""
+    handle = waitable._h
+    if handle.is_ready():
         return
     loop = asyncio.get_running_loop()
-    pending = waitable._pending
+    pending = getattr(waitable, "_pending", None)
     if pending is None or pending.get_loop() is not loop or pending.done():
-        waker = _loop_wakers.get(loop)
-        if waker is None:
-            waker = _loop_wakers[loop] = _LoopWaker(loop)
+        waker = _waker_for(loop)
         token, pending = waker.register(loop)
-        raw.notify_when_ready(waker.notifier, token)
+        handle.notify_when_ready(waker.notifier, token)
         waitable._pending = pending
     # Shielded: cancelling this await leaves the registration for the next one.
     await asyncio.shield(pending)
 
 
-def _qualname(obj) -> str | None:
+def _script_name(obj) -> str:
+    """'torch.classes.dtorch.X' for a raw dtorch object, else the Python type's name."""
     if isinstance(obj, torch.ScriptObject):
-        return obj._type().qualified_name()
-    return None
+        return obj._type().qualified_name().replace("__torch__.", "")
+    return type(obj).__name__
 
 
 def _check_local_tensor(t, what: str) -> None:
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, _Tensor):
         raise TypeError(f"dtorch_ops.{what} expects a torch.Tensor, got {type(t).__name__}")
     if _is_dtensor(t):
         raise TypeError(
@@ -112,64 +114,101 @@ def _is_dtensor(t) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-class _Waitable:
-    """get / wait / is_ready / valid / await over a raw dtorch future (its class: _RAW_CLASS)."""
+def _is_tracing_tensor(t) -> bool:
+    """FakeTensor / FunctionalTensor: stand-ins of tracing, dispatched through their modes."""
+    for name, cls in (("torch._subclasses.fake_tensor", "FakeTensor"),
+                      ("torch._subclasses.functional_tensor", "FunctionalTensor")):
+        module = sys.modules.get(name)
+        if module is not None and isinstance(t, getattr(module, cls)):
+            return True
+    return False
 
-    _RAW_CLASS = ""
+
+def _above_subclass(t, what: str) -> bool:
+    """For a tensor that is not exactly torch.Tensor: checks it, and says whether our op must run
+    above its __torch_dispatch__ (a wrapper subclass: the future then yields the subclass itself,
+    not what its dispatch would pass on)."""
+    _check_local_tensor(t, what)
+    return (torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+            and not _is_tracing_tensor(t))
+
+
+class _Waitable:
+    """get / wait / is_ready / valid / await over a handle (its class: _HANDLE)."""
+
+    __slots__ = ("_h", "_raw", "_pending")
+    _HANDLE = None
     _PRODUCED_BY = ""
-    _pending = None  # the asyncio waiter of this future's latest await (see _await_ready)
 
     def __init__(self, raw):
+        """Wraps a raw future (a torch.classes.dtorch object, e.g. an op's result); the wrapper
+        and the raw object share one state."""
         if isinstance(raw, type(self)):
-            raw = raw._raw
-        if _qualname(raw) != _QUALNAME_PREFIX + self._RAW_CLASS:
+            self._h = raw._h
+            return
+        try:
+            self._h = self._HANDLE.from_script(raw)
+        except TypeError:
             raise TypeError(
-                f"dtorch_ops.{type(self).__name__} wraps a torch.classes.dtorch.{self._RAW_CLASS} "
-                f"(the result of {self._PRODUCED_BY}), got {type(raw).__name__}"
-            )
+                f"dtorch_ops.{type(self).__name__} wraps a torch.classes.dtorch."
+                f"{self._HANDLE.__name__} (the result of {self._PRODUCED_BY}), got "
+                f"{_script_name(raw)}"
+            ) from None
         self._raw = raw
 
     @classmethod
-    def _wrap(cls, raw):
-        """Wraps a raw future known to be one (skips the type check on hot paths)."""
-        future = cls.__new__(cls)
+    def _wrap(cls, handle):
+        """Wraps a handle of the _C module (the hot path: no checks)."""
+        future = _new(cls)
+        future._h = handle
+        return future
+
+    @classmethod
+    def _from_op(cls, raw):
+        """Wraps an op's raw result in compiled code, where Dynamo cannot trace the binding: the
+        handle is looked up on first use (__getattr__), after the graph."""
+        future = _new(cls)
         future._raw = raw
         return future
 
+    def __getattr__(self, name):
+        # Only reached for an unset slot: the handle of a future made by _from_op.
+        if name != "_h":
+            raise AttributeError(name)
+        handle = self._h = self._HANDLE.from_script(self._raw)
+        return handle
+
     @property
     def raw(self):
-        """The underlying script object (for TorchScript and torch.ops calls)."""
-        return self._raw
+        """The TorchScript object of the same state (for TorchScript and torch.ops calls)."""
+        raw = getattr(self, "_raw", None)
+        if raw is None:
+            raw = self._raw = self._h.script()
+        return raw
 
     def get(self):
-        """Blocks until the value is ready and returns it; consumes the future."""
-        while (value := _raw_wait(self._raw, _GET_SLICE_MS)) is _TIMED_OUT:
-            pass
-        return value
+        """Blocks until the value is ready and returns it; consumes the future.
 
-    def wait(self, timeout_ms: int):
-        """Returns the value like get() if it is ready within timeout_ms.
+        The GIL is released while waiting. On the main thread Ctrl-C interrupts the wait
+        (KeyboardInterrupt) and leaves the future valid.
+        """
+        return self._h.get()
+
+    def wait(self, timeout_ms):
+        """Returns the value like get() if it is ready within timeout_ms (an int or a float;
+        fractions of a millisecond round up).
 
         Raises TimeoutError otherwise; the future stays valid and can be waited on again.
         """
-        timeout_ms = int(timeout_ms)
-        if timeout_ms < 0:
-            raise ValueError(f"timeout_ms must be >= 0, got {timeout_ms}")
-        value = _raw_wait(self._raw, timeout_ms)
-        if value is _TIMED_OUT:
-            raise TimeoutError(
-                f"dtorch: the value was not ready within {timeout_ms} ms; the future is still "
-                "valid, wait again"
-            )
-        return value
+        return self._h.wait(timeout_ms)
 
     def is_ready(self) -> bool:
         """True when get() would not block (a value or an error is there). Never blocks."""
-        return self._raw.is_ready()
+        return self._h.is_ready()
 
     def valid(self) -> bool:
         """False once get() or wait() has taken the value."""
-        return self._raw.valid()
+        return self._h.valid()
 
     def __await__(self):
         """``await future``: suspends the coroutine (not the loop) until the value is ready.
@@ -178,40 +217,42 @@ class _Waitable:
         future valid. Errors (exception, broken promise) are raised here.
         """
         yield from _await_ready(self).__await__()
-        return self._raw.get()
+        return self._h.get()
 
     def __reduce__(self):
         raise TypeError(
-            f"dtorch: a {type(self).__name__} cannot be pickled; send the promise to the "
-            "producer instead"
+            f"dtorch: a {type(self).__name__} cannot be pickled or copied; send the promise to "
+            "the producer instead"
         )
 
     def _state(self) -> str:
-        if not self._raw.valid():
+        if not self._h.valid():
             return "consumed"
-        return "ready" if self._raw.is_ready() else "pending"
+        return "ready" if self._h.is_ready() else "pending"
 
 
 class _Future(_Waitable):
     """A promise's consumer end: also reports its kind."""
 
+    __slots__ = ()
+
     def kind(self) -> str:
-        return self._raw.kind()
+        return self._h.kind()
 
     def __repr__(self) -> str:
-        return f"dtorch_ops.{type(self).__name__}(kind={self._raw.kind()!r}, {self._state()})"
+        return f"dtorch_ops.{type(self).__name__}(kind={self._h.kind()!r}, {self._state()})"
 
 
 class TensorFuture(_Future):
     """The consumer's end of a tensor promise/future pair.
 
-    Wraps the raw ``torch.classes.dtorch.TensorFuture`` that the ops return:
-    ``TensorFuture(torch.ops.dtorch.get_tensor_async(x))``. ``get()`` consumes the future
-    (``valid()`` is False afterwards), like ``std::future``. Blocking calls release the GIL.
-    Thread-safe.
+    ``TensorFuture(torch.ops.dtorch.get_tensor_async(x))`` wraps an op's raw result.
+    ``get()`` consumes the future (``valid()`` is False afterwards), like ``std::future``.
+    Blocking calls release the GIL. Thread-safe.
     """
 
-    _RAW_CLASS = "TensorFuture"
+    __slots__ = ()
+    _HANDLE = _C.TensorFuture
     _PRODUCED_BY = "torch.ops.dtorch.get_tensor_async"
 
 
@@ -219,7 +260,8 @@ class VoidFuture(_Future):
     """A completion signal without a value: get() and wait() return None. Otherwise like
     TensorFuture (consumed by get(), errors and broken promises raised, awaitable)."""
 
-    _RAW_CLASS = "VoidFuture"
+    __slots__ = ()
+    _HANDLE = _C.VoidFuture
     _PRODUCED_BY = "torch.classes.dtorch.VoidPromise.get_future"
 
 
@@ -230,30 +272,43 @@ class VoidFutureCollect(_Waitable):
     that failed, naming it. wait(timeout_ms) bounds the wait for all devices together.
     """
 
-    _RAW_CLASS = "VoidFutureCollect"
+    __slots__ = ()
+    _HANDLE = _C.VoidFutureCollect
     _PRODUCED_BY = "torch.ops.dtorch.sync"
 
     def devices(self) -> list[torch.device]:
-        return list(self._raw.devices())
+        return list(self._h.devices())
 
     def __repr__(self) -> str:
-        names = ", ".join(str(d) for d in self._raw.devices())
+        names = ", ".join(str(d) for d in self._h.devices())
         return f"dtorch_ops.VoidFutureCollect([{names}], {self._state()})"
 
 
 class _PromiseBase:
     """set_value once, or set_exception; get_future once; pickling through serialize()."""
 
-    _RAW_CLASS = ""
+    __slots__ = ("_h", "_raw")
+    _HANDLE = None
     _FUTURE = _Waitable
 
     def __init__(self, kind: str = "memory"):
-        if _qualname(kind) == _QUALNAME_PREFIX + self._RAW_CLASS:  # wrap an existing raw promise
+        if isinstance(kind, torch.ScriptObject):  # wrap an existing raw promise
+            try:
+                self._h = self._HANDLE.from_script(kind)
+            except TypeError:
+                raise TypeError(
+                    f"dtorch_ops.{type(self).__name__}(kind) takes a kind ('memory', 'file', "
+                    f"'network') or a raw torch.classes.dtorch.{self._HANDLE.__name__} to wrap, "
+                    f"got a raw {_script_name(kind)}"
+                ) from None
             self._raw = kind
             return
         if not isinstance(kind, str):
             raise TypeError(f"kind must be a str ('memory', 'file', 'network'), got {kind!r}")
-        self._raw = getattr(torch.classes.dtorch, self._RAW_CLASS)(kind)
+        self._h = self._HANDLE(kind)
+        # Made now, not on first use: a promise passed into a compiled step must not create
+        # objects while Dynamo traces it.
+        self._raw = self._h.script()
 
     @classmethod
     def from_serialized(cls, s: str):
@@ -269,29 +324,29 @@ class _PromiseBase:
 
     @property
     def raw(self):
-        """The underlying script object (for TorchScript and torch.ops calls)."""
+        """The TorchScript object of the same state (for TorchScript and torch.ops calls)."""
         return self._raw
 
     def get_future(self):
         """The consumer's end; a promise has exactly one future."""
-        return self._FUTURE._wrap(self._raw.get_future())
+        return self._FUTURE._wrap(self._h.get_future())
 
     def set_exception(self, message: str) -> None:
         """Fails the future: its get()/wait()/await raise an error carrying message."""
-        self._raw.set_exception(str(message))
+        self._h.set_exception(str(message))
 
     def kind(self) -> str:
-        return self._raw.kind()
+        return self._h.kind()
 
     def serialize(self) -> str:
         """A string another process can pass to from_serialized; memory promises raise."""
-        return self._raw.serialize()
+        return self._h.serialize()
 
     def __reduce__(self):
         return (type(self).from_serialized, (self.serialize(),))
 
     def __repr__(self) -> str:
-        return f"dtorch_ops.{type(self).__name__}(kind={self._raw.kind()!r})"
+        return f"dtorch_ops.{type(self).__name__}(kind={self._h.kind()!r})"
 
 
 class TensorPromise(_PromiseBase):
@@ -301,7 +356,8 @@ class TensorPromise(_PromiseBase):
     its future fail with "broken promise". Thread-safe.
     """
 
-    _RAW_CLASS = "TensorPromise"
+    __slots__ = ()
+    _HANDLE = _C.TensorPromise
     _FUTURE = TensorFuture
 
     @classmethod
@@ -312,30 +368,40 @@ class TensorPromise(_PromiseBase):
     def set_value(self, t: torch.Tensor) -> None:
         """Fulfils the promise with t (no copy). A second set raises; the first value stays."""
         _check_local_tensor(t, "TensorPromise.set_value")
-        self._raw.set_value(t)
+        self._h.set_value(t)
 
 
 class VoidPromise(_PromiseBase):
     """A completion signal's producer end: ``set_value()`` once, or ``set_exception(message)``
     (``sync_into`` fulfils one when devices are done). Thread-safe."""
 
-    _RAW_CLASS = "VoidPromise"
+    __slots__ = ()
+    _HANDLE = _C.VoidPromise
     _FUTURE = VoidFuture
 
     def set_value(self) -> None:
         """Signals completion. A second set raises."""
-        self._raw.set_value()
+        self._h.set_value()
 
 
-def _raw_promise(promise, wrapper=TensorPromise):
+def _promise_handle(promise, wrapper=TensorPromise):
     if isinstance(promise, wrapper):
-        return promise._raw
-    if _qualname(promise) == _QUALNAME_PREFIX + wrapper._RAW_CLASS:
-        return promise
+        return promise._h
+    if isinstance(promise, torch.ScriptObject):
+        try:
+            return wrapper._HANDLE.from_script(promise)
+        except TypeError:
+            pass
     raise TypeError(
         f"expected a dtorch_ops.{wrapper.__name__} (or a raw torch.classes.dtorch."
-        f"{wrapper._RAW_CLASS}), got {type(promise).__name__}"
+        f"{wrapper._HANDLE.__name__}), got {_script_name(promise)}"
     )
+
+
+def _traced_promise(promise, wrapper=TensorPromise):
+    """The object to pass to the op in compiled code: the wrapper's raw promise, else what was
+    passed (a raw promise is a stand-in while tracing; the op's schema checks its class)."""
+    return promise._raw if isinstance(promise, wrapper) else promise
 
 
 def get_tensor(t: torch.Tensor, promise) -> None:
@@ -343,14 +409,24 @@ def get_tensor(t: torch.Tensor, promise) -> None:
 
     Returns at once. Usable inside torch.compile'd code with a promise created outside.
     """
-    _check_local_tensor(t, "get_tensor")
-    _get_tensor(t, _raw_promise(promise))
+    if _is_compiling():
+        _check_local_tensor(t, "get_tensor")
+        _get_tensor_op(t, _traced_promise(promise))
+    elif type(t) is _Tensor:
+        _C.get_tensor(t, _promise_handle(promise))
+    else:
+        _C.get_tensor(t, _promise_handle(promise), _above_subclass(t, "get_tensor"))
 
 
 def to_torch_async(t: torch.Tensor) -> TensorFuture:
-    """Returns at once a future that yields t (aliased, no copy) when the work producing it is done."""
-    _check_local_tensor(t, "to_torch_async")
-    return TensorFuture._wrap(_get_tensor_async(t))
+    """Returns at once a future that yields t (aliased, no copy) when the work producing it is
+    done. On CPU the value is ready at once."""
+    if _is_compiling():  # the op: a graph break (see README), then it runs eagerly
+        _check_local_tensor(t, "to_torch_async")
+        return TensorFuture._from_op(_get_tensor_async_op(t))
+    if type(t) is _Tensor:
+        return TensorFuture._wrap(_C.get_tensor_async(t))
+    return TensorFuture._wrap(_C.get_tensor_async(t, _above_subclass(t, "to_torch_async")))
 
 
 def to_torch(t: torch.Tensor) -> torch.Tensor:
@@ -373,13 +449,28 @@ def promise_kind_for(t: torch.Tensor, per_device_per_process: bool | None = None
     return "file" if per_device_per_process else "memory"
 
 
-def _device_list(devices):
-    """None, a device (str, int, torch.device) or a sequence of them -> None or [torch.device]."""
+def _device(d, what: str) -> torch.device:
+    if isinstance(d, torch.device):
+        return d
+    if isinstance(d, bool) or not isinstance(d, (str, int)):
+        raise TypeError(
+            f"dtorch_ops.{what}: devices must be a device (a str such as 'cuda:0', a "
+            f"torch.device or an int index) or a list of them, got {type(d).__name__} {d!r}"
+        )
+    try:
+        return torch.device(d)
+    except RuntimeError as e:
+        raise ValueError(f"dtorch_ops.{what}: {d!r} is not a device this process can name "
+                         f"({e}); pass e.g. 'cpu' or 'cuda:0'") from None
+
+
+def _device_list(devices, what: str):
+    """None, a device (str, int, torch.device) or a list/tuple of them -> None or [torch.device]."""
     if devices is None:
         return None
-    if isinstance(devices, (str, int, torch.device)):
-        devices = [devices]
-    return [torch.device(d) for d in devices]
+    if isinstance(devices, (list, tuple)):
+        return [_device(d, what) for d in devices]
+    return [_device(devices, what)]
 
 
 def sync(devices=None) -> None:
@@ -389,19 +480,52 @@ def sync(devices=None) -> None:
     accelerators with a context; CPU when there is none). Only the current stream of each device
     is waited for; the device is not synchronised as a whole.
     """
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         # In a graph: the sync_wait op, an ordered effect that compiled code keeps in place.
-        _sync_wait(_device_list(devices))
+        _sync_wait_op(_device_list(devices, "sync"))
     else:
-        # Eager: wait in slices, so that Ctrl-C can interrupt a sync on a hung device.
-        sync_async(devices).get()
+        _C.sync_async(_device_list(devices, "sync")).get()
 
 
 def sync_async(devices=None) -> VoidFutureCollect:
     """Like sync(), but returns at once an awaitable VoidFutureCollect (get / wait / await)."""
-    return VoidFutureCollect._wrap(_sync(_device_list(devices)))
+    if _is_compiling():  # the op: a graph break (see README), then it runs eagerly
+        return VoidFutureCollect._from_op(_sync_op(_device_list(devices, "sync_async")))
+    return VoidFutureCollect._wrap(_C.sync_async(_device_list(devices, "sync_async")))
 
 
 def sync_into(devices, promise) -> None:
     """Fulfils a VoidPromise (it may belong to another process) when the devices are done."""
-    _sync_into(_device_list(devices), _raw_promise(promise, VoidPromise))
+    _C.sync_into(_device_list(devices, "sync_into"), _promise_handle(promise, VoidPromise))
+
+
+def _patch_script_objects() -> None:
+    """Raw dtorch objects are handles: truthy, and never copied.
+
+    torch.ScriptObject's bool() falls back to len() (which ours refuse) and its copy.copy()
+    returns a second reference to the same C++ object while copy.deepcopy() refuses. Both are
+    fixed for dtorch's classes only; every other script object behaves as before.
+    """
+    script_object = torch.ScriptObject
+    if getattr(script_object, "_dtorch_patched", False):
+        return
+    original_copy = script_object.__copy__
+
+    def ours(obj) -> bool:
+        return obj._type().qualified_name().startswith("__torch__.torch.classes.dtorch.")
+
+    def __bool__(self):
+        return True if ours(self) else len(self) != 0
+
+    def __copy__(self):
+        if ours(self):
+            raise TypeError(f"dtorch: a {_script_name(self)} cannot be copied; it is a handle to "
+                            "one promise or future (pass the object itself)")
+        return original_copy(self)
+
+    script_object.__bool__ = __bool__
+    script_object.__copy__ = __copy__
+    script_object._dtorch_patched = True
+
+
+_patch_script_objects()

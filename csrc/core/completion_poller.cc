@@ -3,7 +3,9 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -48,6 +50,10 @@ void CompletionPoller::Submit(const std::string& key,
   // exactly this completion (a queued item without a thread would keep its promise alive,
   // unfulfilled, forever) before anyone else queues behind it.
   try {
+    if (fail_thread_starts_for_testing_ > 0) {
+      --fail_thread_starts_for_testing_;
+      throw std::system_error(EAGAIN, std::generic_category(), "dtorch: cannot start a thread");
+    }
     std::thread([this, key] { Run(key); }).detach();
   } catch (...) {
     queue.items.pop_back();

@@ -56,6 +56,9 @@ class CompletionPoller {
   size_t ThreadCount() const;
   size_t PendingCount() const;
 
+  // Tests: the next `count` thread starts fail as if the system had no thread to spare.
+  void FailThreadStartsForTesting(int count) { fail_thread_starts_for_testing_ = count; }
+
   // Stops all completion work for good: queued completions are leaked, and this waits (up to
   // `timeout_ms`) for the ones being completed right now. Later Submit()s are leaked too.
   // Idempotent; thread-safe.
@@ -78,6 +81,7 @@ class CompletionPoller {
   size_t in_flight_ = 0;                 // guarded by mu_: taken by a thread, not yet released
   std::condition_variable idle_cv_;      // in_flight_ dropped
   std::atomic<bool> exiting_{false};     // set once, by Shutdown (also read without mu_)
+  std::atomic<int> fail_thread_starts_for_testing_{0};
 };
 
 }  // namespace dtorch::core

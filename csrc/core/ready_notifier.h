@@ -8,8 +8,9 @@
 // returned by that Drain() or by the next one, which the eventfd write then triggers: no wake-up
 // is lost.
 //
-// Lifetime: the eventfd is closed when the notifier is destroyed. Hold it through a shared owner
-// in every pending callback, so a late completion never writes to a closed (or reused) fd.
+// Lifetime: the eventfd is closed when the notifier is destroyed. Pending callbacks hold it
+// through a weak_ptr and post only while it lives, so a late completion never writes to a closed
+// (or reused) fd, and an abandoned event loop's fd is not kept open by its pending futures.
 //
 // Thread-safety: all methods may be called from any thread.
 #pragma once

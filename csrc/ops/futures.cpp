@@ -7,6 +7,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "runtime_hooks.h"
+
 namespace dtorch {
 namespace {
 
@@ -55,7 +57,14 @@ Future<T>::Future(std::unique_ptr<core::FutureBackend<T>> backend, std::string k
 
 template <typename T>
 T Future<T>::Get() {
-  return TranslateErrors([&] { return backend_->Get(); });
+  return TranslateErrors([&] {
+    if (!backend_->IsReady()) {
+      AfterBlockingWait after;  // runs when the wait is over, also when it throws
+      while (!backend_->WaitFor(core::kMaxTimeoutMs)) {
+      }
+    }
+    return backend_->Get();
+  });
 }
 
 template <typename T>
@@ -68,7 +77,11 @@ T Future<T>::Wait(int64_t timeout_ms) {
 template <typename T>
 bool Future<T>::WaitFor(int64_t timeout_ms) const {
   CheckTimeout(timeout_ms);
-  return TranslateErrors([&] { return backend_->WaitFor(timeout_ms); });
+  return TranslateErrors([&] {
+    if (timeout_ms == 0 || backend_->IsReady()) return backend_->WaitFor(0);
+    AfterBlockingWait after;
+    return backend_->WaitFor(timeout_ms);
+  });
 }
 
 template <typename T>
@@ -91,16 +104,25 @@ Promise<T>::Promise(const std::string& kind) : kind_(kind), backend_(MakePromise
 
 template <typename T>
 void Promise<T>::Claim(const char* producer) {
-  TORCH_CHECK(!claimed_.exchange(true), "dtorch: promise already satisfied: the promise already "
-              "holds a value or an exception, or an asynchronous get_tensor/sync_into will set "
-              "one (", producer, " came second); a promise is fulfilled once, use a new one per "
-              "value");
+  const char* first = nullptr;
+  if (claimed_by_.compare_exchange_strong(first, producer)) return;
+  const std::string first_call = first;
+  const bool synchronous = first_call == "set_value" || first_call == "set_exception";
+  TORCH_CHECK(false, "dtorch: promise already satisfied: ",
+              synchronous ? "the promise already holds a value or an exception (from " +
+                                first_call + ")"
+                          : "an earlier " + first_call + " on this promise will fulfil it",
+              "; this ", producer, " came second. A promise is fulfilled once: use a new one "
+              "per value");
 }
 
 template <typename T>
 void Promise<T>::SetValue(T value) {
   if constexpr (std::is_same_v<T, at::Tensor>) {
     TORCH_CHECK(value.defined(), "dtorch: set_value needs a defined tensor, got an undefined one");
+    if (value.key_set().has(c10::DispatchKey::Python)) {
+      if (const auto check = GetRuntimeHooks().check_subclass_value) check(value);
+    }
   }
   Claim("set_value");
   TranslateErrors([&] { backend_->SetValue(std::move(value)); });
@@ -108,13 +130,17 @@ void Promise<T>::SetValue(T value) {
 
 template <typename T>
 void Promise<T>::SetException(const std::string& message) {
+  const auto nul = message.find('\0');
+  TORCH_CHECK_VALUE(nul == std::string::npos, "dtorch: set_exception: the message has a NUL "
+                    "character at index ", nul, " (it would cut the message short); pass text "
+                    "without NUL characters");
   Claim("set_exception");
   TranslateErrors([&] { backend_->SetException(message); });
 }
 
 template <typename T>
 void Promise<T>::CompleteClaimed(T value) noexcept {
-  TORCH_INTERNAL_ASSERT(claimed_);
+  TORCH_INTERNAL_ASSERT(claimed_by_ != nullptr);
   try {
     backend_->SetValue(std::move(value));
   } catch (...) {
@@ -124,7 +150,7 @@ void Promise<T>::CompleteClaimed(T value) noexcept {
 
 template <typename T>
 void Promise<T>::FailClaimed(const std::string& message) noexcept {
-  TORCH_INTERNAL_ASSERT(claimed_);
+  TORCH_INTERNAL_ASSERT(claimed_by_ != nullptr);
   try {
     backend_->SetException(message);
   } catch (...) {
@@ -221,6 +247,18 @@ std::string NestedMessage(const c10::Error& error) {
   std::string message = error.what_without_backtrace();
   if (message.compare(0, kPrefix.size(), kPrefix) == 0) message.erase(0, kPrefix.size());
   return message;
+}
+
+std::string CurrentExceptionMessage() {
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    return NestedMessage(e);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
 }
 
 std::string PromiseKindFor(const at::Tensor& tensor, bool per_device_per_process) {

@@ -41,7 +41,7 @@ class ReadyNotifier : public torch::CustomClassHolder {
   const char* Kind() const { return "eventfd"; }
   int64_t FileNo() const { return core_->fd(); }
   std::vector<int64_t> Drain() { return core_->Drain(); }
-  // Shared with pending completion callbacks, which keep the eventfd open.
+  // Pending completion callbacks hold it weakly (NotifyWhenReady): this object owns the eventfd.
   const std::shared_ptr<core::ReadyNotifier>& core() const { return core_; }
 
  private:
@@ -99,7 +99,8 @@ class Promise : public torch::CustomClassHolder {
   // For asynchronous producers (the device get_tensor kernel, sync_into): Claim() reserves the
   // promise at once, so that any other completion (or claim) raises now, as on CPU, rather than
   // being dropped later; the producer then completes it with CompleteClaimed / FailClaimed,
-  // which never throw.
+  // which never throw. `producer` names the call (a string literal: it is kept) so that a second
+  // one can be told which call fulfils the promise.
   void Claim(const char* producer);
   void CompleteClaimed(T value) noexcept;
   void FailClaimed(const std::string& message) noexcept;
@@ -113,7 +114,8 @@ class Promise : public torch::CustomClassHolder {
  private:
   const std::string kind_;
   const std::unique_ptr<core::PromiseBackend<T>> backend_;
-  std::atomic<bool> claimed_{false};  // set once, by the first completion or claim
+  // The call that completes the promise: set once, by the first completion or claim.
+  std::atomic<const char*> claimed_by_{nullptr};
 };
 
 using TensorFuture = Future<at::Tensor>;
@@ -154,16 +156,23 @@ class VoidFutureCollect : public torch::CustomClassHolder {
 };
 
 // Posts `token` to `notifier` once `waitable` (a Future or a VoidFutureCollect) is ready, at once
-// if it is: how an event loop awaits it (dtorch_ops' __await__). Never consumes.
+// if it is: how an event loop awaits it (dtorch_ops' __await__). Never consumes. The pending
+// callback holds the notifier weakly: a notifier dropped with its event loop closes its eventfd
+// at once, however many futures it was waiting for, and a late completion posts nothing.
 template <typename Waitable>
 void NotifyWhenReady(const c10::intrusive_ptr<Waitable>& waitable,
                      const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
   TORCH_CHECK(notifier, "dtorch: notify_when_ready needs a ReadyNotifier, got None");
-  waitable->OnReady([core = notifier->core(), token] { core->Post(token); });
+  waitable->OnReady([weak = std::weak_ptr<core::ReadyNotifier>(notifier->core()), token] {
+    if (const auto core = weak.lock()) core->Post(token);
+  });
 }
 
 // A c10::Error's message without its leading "dtorch: ", for nesting it in another message.
 std::string NestedMessage(const c10::Error& error);
+// The message of the exception being handled (call inside a catch block): NestedMessage for a
+// c10::Error, what() for other std::exceptions.
+std::string CurrentExceptionMessage();
 
 // The promise kind for a pair whose promise a worker will fulfil with `tensor`: CPU -> "memory";
 // a device tensor with per_device_per_process -> "file" (one worker process per device);

@@ -29,6 +29,10 @@ void get_tensor_cpu(const at::Tensor& input, const c10::intrusive_ptr<TensorProm
 void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise);
 // Composite: make a memory pair and run get_tensor on it.
 c10::intrusive_ptr<TensorFuture> get_tensor_async(const at::Tensor& input);
+// Inside a torch.func transform: raise, naming the op and what to do instead.
+void refuse_in_transform_get_tensor(const at::Tensor& input,
+                                    const c10::intrusive_ptr<TensorPromise>& promise);
+c10::intrusive_ptr<TensorFuture> refuse_in_transform_get_tensor_async(const at::Tensor& input);
 }  // namespace kernels
 
 }  // namespace dtorch

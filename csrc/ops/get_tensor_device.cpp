@@ -21,10 +21,11 @@ void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorP
                                promise->CompleteClaimed(input);
                              }
                            });
-  } catch (const c10::Error& e) {
-    // Nothing will complete the claimed promise: fail it, so its waiter does not hang either.
+  } catch (...) {
+    // Nothing will complete the claimed promise (no event, or no thread to watch it: a
+    // std::system_error): fail it, so its waiter does not hang either.
     promise->FailClaimed("get_tensor could not wait for " + input.device().str() + ": " +
-                         NestedMessage(e));
+                         CurrentExceptionMessage());
     throw;
   }
 }

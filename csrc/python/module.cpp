@@ -1,12 +1,240 @@
-// The bare `_C` extension module (as in pytorch/extension-cpp): importing it loads
-// libdtorch_ops.so, whose static TORCH_LIBRARY initialisers register the ops and classes. It
-// defines no Python functions; the Python API uses torch.ops.dtorch and torch.classes.dtorch.
-#include <Python.h>
+// dtorch_ops._C: the direct binding of the Python API (pybind11, the one that ships with torch).
+//
+// Its classes are handles to the very C++ objects that the TorchScript classes
+// (torch.classes.dtorch.*) hold: script() gives the TorchScript object of the same state and
+// from_script() the handle of a TorchScript object, so a value set through one end is seen
+// through the other. Each Python API call is one call here; the ops are still dispatched (through
+// typed operator handles, from C++), so per-device kernels, autocast, the profiler and user
+// overrides apply as for torch.ops.dtorch.*.
+//
+// Blocking waits release the GIL and follow python_waits.h (signals on the main thread, parking
+// at exit). Importing the module loads libdtorch_ops.so, which registers the ops and classes.
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
 
-extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", "dtorch_ops native library loader", -1,
-      nullptr, nullptr, nullptr, nullptr, nullptr,
+#include <pybind11/stl.h>
+#include <torch/csrc/jit/api/object.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include "../core/completion_poller.h"
+#include "../ops/futures.h"
+#include "../ops/get_tensor.h"
+#include "../ops/runtime_hooks.h"
+#include "../ops/sync.h"
+#include "python_waits.h"
+
+namespace py = pybind11;
+
+namespace dtorch::python {
+namespace {
+
+constexpr const char* kScriptPrefix = "__torch__.torch.classes.dtorch.";
+
+// A timeout in milliseconds from Python: an int of any size or a float (fractions round up:
+// a timeout is a lower bound), >= 0; values past core::kMaxTimeoutMs (~34 years) mean no limit.
+int64_t TimeoutMs(py::handle timeout) {
+  PyObject* obj = timeout.ptr();
+  const auto type_name = [&] { return std::string(Py_TYPE(obj)->tp_name); };
+  if (PyBool_Check(obj) || (!PyFloat_Check(obj) && !PyIndex_Check(obj))) {
+    throw py::type_error("dtorch: timeout_ms must be a number of milliseconds (int or float), "
+                         "got " + type_name());
+  }
+  const auto negative = [&] {
+    return py::value_error("dtorch: timeout_ms must be >= 0, got " +
+                           py::repr(timeout).cast<std::string>() +
+                           "; use get() to wait without a limit");
   };
-  return PyModule_Create(&module_def);
+  if (PyFloat_Check(obj)) {
+    const double ms = PyFloat_AsDouble(obj);
+    if (std::isnan(ms)) {
+      throw py::value_error("dtorch: timeout_ms must be a number of milliseconds, got nan");
+    }
+    if (ms < 0) throw negative();
+    if (ms >= static_cast<double>(core::kMaxTimeoutMs)) return core::kMaxTimeoutMs;
+    return static_cast<int64_t>(std::ceil(ms));
+  }
+  const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(obj));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long ms = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow < 0 || (overflow == 0 && ms < 0)) throw negative();
+  if (overflow > 0 || ms > core::kMaxTimeoutMs) return core::kMaxTimeoutMs;
+  return ms;
 }
+
+[[noreturn]] void RaiseTimeout(py::handle timeout) {
+  const std::string message = "dtorch: the value was not ready within " +
+                              py::str(timeout).cast<std::string>() +
+                              " ms; the future is still valid, wait again";
+  PyErr_SetString(PyExc_TimeoutError, message.c_str());
+  throw py::error_already_set();
+}
+
+// The TorchScript object (torch.ScriptObject) holding the same C++ object as `handle`.
+template <typename C>
+py::object ToScript(const c10::intrusive_ptr<C>& handle) {
+  return py::cast(torch::jit::Object(c10::IValue(handle).toObject()));
+}
+
+// The handle of a TorchScript object of class C; TypeError for anything else.
+template <typename C>
+c10::intrusive_ptr<C> FromScript(py::handle obj) {
+  const std::string expected = std::string(kScriptPrefix) + C::kClassName;
+  std::string got = Py_TYPE(obj.ptr())->tp_name;
+  if (py::isinstance<torch::jit::Object>(obj)) {
+    const auto object = obj.cast<torch::jit::Object>();
+    const auto name = object.type()->name();
+    got = name ? name->qualifiedName() : "an unnamed script object";
+    if (got == expected) return c10::IValue(object._ivalue()).toCustomClass<C>();
+  }
+  const std::string short_got =
+      got.rfind(kScriptPrefix, 0) == 0 ? "torch.classes.dtorch." + got.substr(strlen(kScriptPrefix))
+                                       : got;
+  throw py::type_error(std::string("dtorch: expected a torch.classes.dtorch.") + C::kClassName +
+                       ", got " + short_got);
+}
+
+// The value of a future whose wait is over (ready, failed, or taken by another thread meanwhile).
+template <typename T>
+py::object TakeValue(const c10::intrusive_ptr<Future<T>>& future) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    return py::cast(future->Get());
+  } else {
+    future->Get();
+    return py::none();
+  }
+}
+
+template <typename T>
+void BindFuture(py::module_& m) {
+  using F = Future<T>;
+  py::class_<F, c10::intrusive_ptr<F>>(m, F::kClassName)
+      .def("get",
+           [](const c10::intrusive_ptr<F>& self) {
+             WaitReady(*self, std::nullopt);
+             return TakeValue(self);
+           })
+      .def("wait",
+           [](const c10::intrusive_ptr<F>& self, py::handle timeout) {
+             if (!WaitReady(*self, TimeoutMs(timeout))) RaiseTimeout(timeout);
+             return TakeValue(self);
+           })
+      .def("is_ready", &F::IsReady)
+      .def("valid", &F::Valid)
+      .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
+      .def("notify_when_ready", &NotifyWhenReady<F>)
+      .def("script", &ToScript<F>)
+      .def_static("from_script", &FromScript<F>);
+}
+
+template <typename T>
+void BindPromise(py::module_& m) {
+  using P = Promise<T>;
+  auto cls = py::class_<P, c10::intrusive_ptr<P>>(m, P::kClassName)
+                 .def(py::init([](const std::string& kind) { return c10::make_intrusive<P>(kind); }))
+                 .def("set_exception", &P::SetException)
+                 .def("get_future", &P::GetFuture)
+                 .def("kind", [](const c10::intrusive_ptr<P>& self) { return self->Kind(); })
+                 .def("serialize", &P::Serialize)
+                 .def("script", &ToScript<P>)
+                 .def_static("from_script", &FromScript<P>);
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    cls.def("set_value", &P::SetValue);
+  } else {
+    cls.def("set_value", [](const c10::intrusive_ptr<P>& self) { self->SetValue({}); });
+  }
+}
+
+// Our ops on a tensor subclass run above the subclass's __torch_dispatch__, so an in-process
+// future yields the subclass itself rather than whatever its dispatch passes on (one inner tensor).
+struct AboveSubclassDispatch {
+  c10::impl::ExcludeDispatchKeyGuard guard{
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot})};
+};
+
+// RuntimeHooks::check_subclass_value: a promise cannot carry a DTensor (raw set_value included).
+void CheckSubclassValue(const at::Tensor& value) {
+  py::gil_scoped_acquire gil;
+  const py::object module =
+      py::module_::import("sys").attr("modules").attr("get")("torch.distributed.tensor");
+  if (module.is_none()) return;  // no DTensor can exist before its module is imported
+  if (py::isinstance(py::cast(value), module.attr("DTensor"))) {
+    TORCH_CHECK_TYPE(false, "dtorch: set_value expects a local tensor, got a DTensor: pass "
+                     "t.to_local() (or t.full_tensor()) instead");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dtorch_ops' direct binding (see csrc/python/module.cpp)";
+  InitMainThread();
+  RuntimeHooks hooks;
+  hooks.after_blocking_wait = &ParkIfExiting;
+  hooks.check_subclass_value = &CheckSubclassValue;
+  SetRuntimeHooks(hooks);
+
+  py::class_<ReadyNotifier, c10::intrusive_ptr<ReadyNotifier>>(m, "ReadyNotifier")
+      .def(py::init([] { return c10::make_intrusive<ReadyNotifier>(); }))
+      .def("fileno", &ReadyNotifier::FileNo)
+      .def("drain", &ReadyNotifier::Drain);
+
+  BindFuture<at::Tensor>(m);
+  BindPromise<at::Tensor>(m);
+  BindFuture<core::Unit>(m);
+  BindPromise<core::Unit>(m);
+
+  py::class_<VoidFutureCollect, c10::intrusive_ptr<VoidFutureCollect>>(m, "VoidFutureCollect")
+      .def("get",
+           [](const c10::intrusive_ptr<VoidFutureCollect>& self) {
+             WaitReady(*self, std::nullopt);
+             self->Get();
+           })
+      .def("wait",
+           [](const c10::intrusive_ptr<VoidFutureCollect>& self, py::handle timeout) {
+             if (!WaitReady(*self, TimeoutMs(timeout))) RaiseTimeout(timeout);
+             self->Get();
+           })
+      .def("is_ready", &VoidFutureCollect::IsReady)
+      .def("valid", &VoidFutureCollect::Valid)
+      .def("devices", &VoidFutureCollect::Devices)
+      .def("notify_when_ready", &NotifyWhenReady<VoidFutureCollect>)
+      .def("script", &ToScript<VoidFutureCollect>)
+      .def_static("from_script", &FromScript<VoidFutureCollect>);
+
+  // The ops, dispatched from C++. above_subclass: see AboveSubclassDispatch.
+  m.def(
+      "get_tensor_async",
+      [](const at::Tensor& input, bool above_subclass) {
+        if (!above_subclass) return GetTensorAsync(input);
+        AboveSubclassDispatch above;
+        return GetTensorAsync(input);
+      },
+      py::arg("input"), py::arg("above_subclass") = false);
+  m.def(
+      "get_tensor",
+      [](const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise,
+         bool above_subclass) {
+        if (!above_subclass) return GetTensor(input, promise);
+        AboveSubclassDispatch above;
+        GetTensor(input, promise);
+      },
+      py::arg("input"), py::arg("promise"), py::arg("above_subclass") = false);
+  m.def("sync_async", [](const DeviceList& devices) { return SyncAsync(devices); });
+  m.def("sync_into", [](const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>& promise) {
+    SyncInto(devices, promise);
+  });
+
+  // Process exit (dtorch_ops' atexit handler) and diagnostics for the tests.
+  m.def("close_exit_gate", &CloseExitGate);
+  m.def("wait_wakeups", &WaitWakeups);
+  m.def("fail_thread_starts_for_testing", [](int count) {
+    core::CompletionPoller::Instance().FailThreadStartsForTesting(count);
+  });
+}
+
+}  // namespace dtorch::python
