@@ -103,7 +103,8 @@ void DefinePromise(torch::Library& m) {
   if constexpr (std::is_same_v<T, dtorch::core::Unit>) {
     cls.def("set_value", [](const c10::intrusive_ptr<P>& self) { self->SetValue({}); });
   } else {
-    cls.def("set_value", &P::SetValue);
+    cls.def("set_value",
+            [](const c10::intrusive_ptr<P>& self, at::Tensor value) { self->SetValue(std::move(value)); });
   }
   cls.def("set_exception", &P::SetException)
       .def("get_future", &P::GetFuture)
@@ -182,11 +183,14 @@ TORCH_LIBRARY(dtorch, m) {
 // layouts alike).
 TORCH_LIBRARY_IMPL(dtorch, CPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu); }
 TORCH_LIBRARY_IMPL(dtorch, MkldnnCPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu); }
+// Nested tensors are outside CompositeExplicitAutograd's backends: get_tensor_async too.
 TORCH_LIBRARY_IMPL(dtorch, NestedTensorCPU, m) {
   m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu);
+  m.impl("get_tensor_async", &dtorch::kernels::get_tensor_async);
 }
 TORCH_LIBRARY_IMPL(dtorch, NestedTensorCUDA, m) {
   m.impl("get_tensor", &dtorch::kernels::get_tensor_device);
+  m.impl("get_tensor_async", &dtorch::kernels::get_tensor_async);
 }
 TORCH_LIBRARY_IMPL(dtorch, SparseCPU, m) { m.impl("get_tensor", &dtorch::kernels::get_tensor_cpu); }
 TORCH_LIBRARY_IMPL(dtorch, SparseCsrCPU, m) {

@@ -186,29 +186,8 @@ class _Waitable:
             raw = self._raw = self._h.script()
         return raw
 
-    def get(self):
-        """Blocks until the value is ready and returns it; consumes the future.
-
-        The GIL is released while waiting. On the main thread Ctrl-C interrupts the wait
-        (KeyboardInterrupt) and leaves the future valid.
-        """
-        return self._h.get()
-
-    def wait(self, timeout_ms):
-        """Returns the value like get() if it is ready within timeout_ms (an int or a float;
-        fractions of a millisecond round up).
-
-        Raises TimeoutError otherwise; the future stays valid and can be waited on again.
-        """
-        return self._h.wait(timeout_ms)
-
-    def is_ready(self) -> bool:
-        """True when get() would not block (a value or an error is there). Never blocks."""
-        return self._h.is_ready()
-
-    def valid(self) -> bool:
-        """False once get() or wait() has taken the value."""
-        return self._h.valid()
+    # get(), wait(timeout_ms), is_ready() and valid() are C++ methods installed by the binding
+    # (_C.install_wait_methods, below the classes).
 
     def __await__(self):
         """``await future``: suspends the coroutine (not the loop) until the value is ready.
@@ -282,6 +261,10 @@ class VoidFutureCollect(_Waitable):
     def __repr__(self) -> str:
         names = ", ".join(str(d) for d in self._h.devices())
         return f"dtorch_ops.VoidFutureCollect([{names}], {self._state()})"
+
+
+for _cls in (TensorFuture, VoidFuture, VoidFutureCollect):
+    _C.install_wait_methods(_cls, _cls._HANDLE)
 
 
 class _PromiseBase:
@@ -414,6 +397,13 @@ def get_tensor(t: torch.Tensor, promise) -> None:
         _get_tensor_op(t, _traced_promise(promise))
     elif type(t) is _Tensor:
         _C.get_tensor(t, _promise_handle(promise))
+    elif _is_tracing_tensor(t):
+        # Eagerly, under a FakeTensorMode made by hand: the fake kernel would leave the promise
+        # unfulfilled for good. (The raw op cannot tell this from AOTAutograd's own fake passes.)
+        raise RuntimeError(
+            "dtorch: get_tensor got a fake tensor outside torch.compile/torch.export (under a "
+            "FakeTensorMode made by hand): it has no value, so the promise would never be "
+            "fulfilled; call get_tensor with a real tensor, outside FakeTensorMode")
     else:
         _C.get_tensor(t, _promise_handle(promise), _above_subclass(t, "get_tensor"))
 

@@ -106,25 +106,20 @@ template <typename T>
 void Promise<T>::Claim(const char* producer) {
   const char* first = nullptr;
   if (claimed_by_.compare_exchange_strong(first, producer)) return;
-  const std::string first_call = first;
-  const bool synchronous = first_call == "set_value" || first_call == "set_exception";
-  TORCH_CHECK(false, "dtorch: promise already satisfied: ",
-              synchronous ? "the promise already holds a value or an exception (from " +
-                                first_call + ")"
-                          : "an earlier " + first_call + " on this promise will fulfil it",
-              "; this ", producer, " came second. A promise is fulfilled once: use a new one "
-              "per value");
+  TORCH_CHECK(false, "dtorch: promise already satisfied: the promise already holds a value or "
+              "an exception, or will: ", first, " was called on it first and this ", producer,
+              " came second. A promise is fulfilled once: use a new one per value");
 }
 
 template <typename T>
-void Promise<T>::SetValue(T value) {
+void Promise<T>::SetValue(T value, const char* caller) {
   if constexpr (std::is_same_v<T, at::Tensor>) {
     TORCH_CHECK(value.defined(), "dtorch: set_value needs a defined tensor, got an undefined one");
     if (value.key_set().has(c10::DispatchKey::Python)) {
       if (const auto check = GetRuntimeHooks().check_subclass_value) check(value);
     }
   }
-  Claim("set_value");
+  Claim(caller);
   TranslateErrors([&] { backend_->SetValue(std::move(value)); });
 }
 

@@ -93,8 +93,9 @@ class Promise : public torch::CustomClassHolder {
   // kind: "memory" (same process). Other kinds throw a clear error until they are built.
   explicit Promise(const std::string& kind);
 
-  // Fulfils the promise; a second completion throws and the first value is kept.
-  void SetValue(T value);
+  // Fulfils the promise; a second completion throws and the first value is kept. `caller` names
+  // the call in that error (a string literal: the get_tensor kernel on CPU passes its own name).
+  void SetValue(T value, const char* caller = "set_value");
   void SetException(const std::string& message);
   // For asynchronous producers (the device get_tensor kernel, sync_into): Claim() reserves the
   // promise at once, so that any other completion (or claim) raises now, as on CPU, rather than

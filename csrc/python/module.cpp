@@ -109,20 +109,63 @@ py::object TakeValue(const c10::intrusive_ptr<Future<T>>& future) {
   }
 }
 
+py::object TakeValue(const c10::intrusive_ptr<VoidFutureCollect>& collect) {
+  collect->Get();
+  return py::none();
+}
+
+template <typename W>
+py::object Get(const c10::intrusive_ptr<W>& self) {
+  WaitReady(*self, std::nullopt);
+  return TakeValue(self);
+}
+
+template <typename W>
+py::object Wait(const c10::intrusive_ptr<W>& self, py::handle timeout) {
+  if (!WaitReady(*self, TimeoutMs(timeout))) RaiseTimeout(timeout);
+  return TakeValue(self);
+}
+
+// The object whose handle a Python wrapper (dtorch_ops' future classes) holds in its `_h` slot;
+// the wrapper, which the caller holds, keeps it alive for the call.
+template <typename W>
+W& HandleOf(py::handle wrapper) {
+  static PyObject* const name = PyUnicode_InternFromString("_h");
+  PyObject* handle = PyObject_GetAttr(wrapper.ptr(), name);
+  if (handle == nullptr) throw py::error_already_set();
+  Py_DECREF(handle);  // the wrapper's slot still holds it
+  return py::handle(handle).cast<W&>();
+}
+
+// Installs get / wait / is_ready / valid on a Python wrapper class (dtorch_ops' futures) as C++
+// methods reading its `_h` slot: one C++ call each, with no Python frame in between.
+template <typename W>
+void InstallWaitMethods(py::object cls) {
+  const auto install = [&](const char* name, auto fn, const char* doc) {
+    cls.attr(name) = py::cpp_function(fn, py::name(name), py::is_method(cls), py::doc(doc));
+  };
+  install("get", [](py::handle self) { return Get(c10::intrusive_ptr<W>::reclaim_copy(&HandleOf<W>(self))); },
+          "Blocks until the value is ready and returns it; consumes the future.\n\n"
+          "The GIL is released while waiting. On the main thread Ctrl-C interrupts the wait\n"
+          "(KeyboardInterrupt) and leaves the future valid.");
+  install("wait", [](py::handle self, py::handle timeout) {
+            return Wait(c10::intrusive_ptr<W>::reclaim_copy(&HandleOf<W>(self)), timeout);
+          },
+          "Returns the value like get() if it is ready within timeout_ms (an int or a float;\n"
+          "fractions of a millisecond round up).\n\n"
+          "Raises TimeoutError otherwise; the future stays valid and can be waited on again.");
+  install("is_ready", [](py::handle self) { return HandleOf<W>(self).IsReady(); },
+          "True when get() would not block (a value or an error is there). Never blocks.");
+  install("valid", [](py::handle self) { return HandleOf<W>(self).Valid(); },
+          "False once get() or wait() has taken the value.");
+}
+
 template <typename T>
 void BindFuture(py::module_& m) {
   using F = Future<T>;
   py::class_<F, c10::intrusive_ptr<F>>(m, F::kClassName)
-      .def("get",
-           [](const c10::intrusive_ptr<F>& self) {
-             WaitReady(*self, std::nullopt);
-             return TakeValue(self);
-           })
-      .def("wait",
-           [](const c10::intrusive_ptr<F>& self, py::handle timeout) {
-             if (!WaitReady(*self, TimeoutMs(timeout))) RaiseTimeout(timeout);
-             return TakeValue(self);
-           })
+      .def("get", &Get<F>)
+      .def("wait", &Wait<F>)
       .def("is_ready", &F::IsReady)
       .def("valid", &F::Valid)
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
@@ -143,7 +186,8 @@ void BindPromise(py::module_& m) {
                  .def("script", &ToScript<P>)
                  .def_static("from_script", &FromScript<P>);
   if constexpr (std::is_same_v<T, at::Tensor>) {
-    cls.def("set_value", &P::SetValue);
+    cls.def("set_value",
+            [](const c10::intrusive_ptr<P>& self, at::Tensor value) { self->SetValue(std::move(value)); });
   } else {
     cls.def("set_value", [](const c10::intrusive_ptr<P>& self) { self->SetValue({}); });
   }
@@ -189,16 +233,8 @@ PYBIND11_MODULE(_C, m) {
   BindPromise<core::Unit>(m);
 
   py::class_<VoidFutureCollect, c10::intrusive_ptr<VoidFutureCollect>>(m, "VoidFutureCollect")
-      .def("get",
-           [](const c10::intrusive_ptr<VoidFutureCollect>& self) {
-             WaitReady(*self, std::nullopt);
-             self->Get();
-           })
-      .def("wait",
-           [](const c10::intrusive_ptr<VoidFutureCollect>& self, py::handle timeout) {
-             if (!WaitReady(*self, TimeoutMs(timeout))) RaiseTimeout(timeout);
-             self->Get();
-           })
+      .def("get", &Get<VoidFutureCollect>)
+      .def("wait", &Wait<VoidFutureCollect>)
       .def("is_ready", &VoidFutureCollect::IsReady)
       .def("valid", &VoidFutureCollect::Valid)
       .def("devices", &VoidFutureCollect::Devices)
@@ -227,6 +263,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("sync_async", [](const DeviceList& devices) { return SyncAsync(devices); });
   m.def("sync_into", [](const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>& promise) {
     SyncInto(devices, promise);
+  });
+
+  // dtorch_ops.futures calls these on its classes once they are defined.
+  m.def("install_wait_methods", [](py::object cls, py::object handle_cls) {
+    if (handle_cls.is(py::type::of<TensorFuture>())) return InstallWaitMethods<TensorFuture>(cls);
+    if (handle_cls.is(py::type::of<VoidFuture>())) return InstallWaitMethods<VoidFuture>(cls);
+    TORCH_INTERNAL_ASSERT(handle_cls.is(py::type::of<VoidFutureCollect>()));
+    InstallWaitMethods<VoidFutureCollect>(cls);
   });
 
   // Process exit (dtorch_ops' atexit handler) and diagnostics for the tests.
