@@ -24,22 +24,27 @@ async def _await_ours(future):
     return await future
 
 
-async def _resume_latency(kind, samples):
+def _job(delay, stamp, fire):
+    time.sleep(delay)
+    stamp["t0"] = time.perf_counter()
+    fire()
+
+
+async def _resume_latency(kind, samples, fresh_thread=False):
     """Median us from the producer's set to the coroutine running again. The producer is one
-    long-lived worker thread (as in a service), handed each job through a queue."""
+    long-lived worker thread (as in a service), handed each job through a queue, or with
+    fresh_thread a new thread per value."""
     loop = asyncio.get_running_loop()
     value = torch.ones(1)
     jobs = queue.Queue()
 
     def worker():
         while (job := jobs.get()) is not None:
-            delay, stamp, fire = job
-            time.sleep(delay)
-            stamp["t0"] = time.perf_counter()
-            fire()
+            _job(*job)
 
-    thread = threading.Thread(target=worker)
-    thread.start()
+    thread = None if fresh_thread else threading.Thread(target=worker)
+    if thread is not None:
+        thread.start()
     latencies = []
     for _ in range(samples):
         stamp = {}
@@ -47,16 +52,22 @@ async def _resume_latency(kind, samples):
         delay = 0.002 + random.uniform(0, 0.001)
         if kind == "floor":
             waiter = loop.create_future()
-            jobs.put((delay, stamp, lambda w=waiter: loop.call_soon_threadsafe(w.set_result, value)))
-            await waiter
+            job = (delay, stamp, lambda w=waiter: loop.call_soon_threadsafe(w.set_result, value))
+            awaitable = waiter
         else:
             promise = dtorch_ops.TensorPromise()
             future = promise.get_future()
-            jobs.put((delay, stamp, lambda p=promise: p.set_value(value)))
-            await (_await_ours(future) if kind == "ours" else _poll_seed(future))
+            job = (delay, stamp, lambda p=promise: p.set_value(value))
+            awaitable = _await_ours(future) if kind == "ours" else _poll_seed(future)
+        if fresh_thread:
+            threading.Thread(target=_job, args=job).start()
+        else:
+            jobs.put(job)
+        await awaitable
         latencies.append((time.perf_counter() - stamp["t0"]) * 1e6)
-    jobs.put(None)
-    thread.join()
+    if thread is not None:
+        jobs.put(None)
+        thread.join()
     return statistics.median(latencies)
 
 
@@ -84,13 +95,24 @@ def main(samples=100, pending=1000, seconds=1.0):
             for kind in ("ours", "seed", "floor"):
                 lat.setdefault(kind, []).append(await _resume_latency(kind, samples // 3 + 1))
         lat = {k: statistics.median(v) for k, v in lat.items()}
+        fresh = {}
+        for _ in range(3):
+            for kind in ("ours", "floor"):
+                fresh.setdefault(kind, []).append(
+                    await _resume_latency(kind, samples // 3 + 1, fresh_thread=True))
+        fresh = {k: statistics.median(v) for k, v in fresh.items()}
         print(f"\nasyncio: set_value on a worker thread -> awaiting coroutine resumed (us, median)")
         print(f"  {'dtorch await (completion-driven)':>40}: {lat['ours']:9.1f} us")
         print(f"  {'seed: is_ready() + asyncio.sleep(1 ms)':>40}: {lat['seed']:9.1f} us")
         print(f"  {'floor: asyncio.Future + call_soon_threadsafe':>40}: {lat['floor']:9.1f} us")
+        print(f"  {'dtorch await, fresh setter thread':>40}: {fresh['ours']:9.1f} us")
+        print(f"  {'floor, fresh setter thread':>40}: {fresh['floor']:9.1f} us")
         print(f"  => seed polling / dtorch await: {lat['seed'] / lat['ours']:.1f}x lower latency"
               " (target >= 10x)")
-        print(f"  => dtorch await / floor: {lat['ours'] / lat['floor']:.2f}x")
+        print(f"  => dtorch await / floor, long-lived setter: {lat['ours'] / lat['floor']:.2f}x"
+              " (target <= 1.5x)")
+        print(f"  => dtorch await / floor, fresh setter thread: "
+              f"{fresh['ours'] / fresh['floor']:.2f}x (target <= 1.5x)")
         print(f"\nasyncio: {pending} awaits pending for {seconds:.1f} s")
         for kind, label in (("ours", "dtorch await"), ("seed", "seed polling")):
             cpu_pct, threads = await _pending_cost(kind, pending, seconds)
