@@ -69,14 +69,20 @@ class Cuda:
         self._cycles_per_ms = None
 
     def sleep(self, ms):
+        """A kernel that spins for at least `ms` (torch.cuda._sleep counts clock cycles)."""
         if self._cycles_per_ms is None:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(10_000_000)
-            end.record()
-            end.synchronize()
-            self._cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+            # An idle GPU runs at a fraction of its boost clock: the fastest of a few timed runs
+            # is the boost rate, so that a sleep lasts at least `ms` whatever the clock then.
+            rates = []
+            for _ in range(5):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(20_000_000)
+                end.record()
+                end.synchronize()
+                rates.append(20_000_000 / start.elapsed_time(end))
+            self._cycles_per_ms = max(rates)
         torch.cuda._sleep(int(ms * self._cycles_per_ms))
 
     @contextlib.contextmanager

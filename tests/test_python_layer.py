@@ -449,3 +449,29 @@ def test_the_wrappers_still_compile_without_graph_breaks():
     promise, done = dtorch_ops.TensorPromise(), dtorch_ops.VoidPromise()
     explain = torch._dynamo.explain(step)(torch.ones(4), promise, done)
     assert explain.graph_break_count == 0, explain.break_reasons
+
+
+def test_the_binding_still_dispatches_the_ops():
+    # The profiler records the op, and a dispatch mode sees it: to_torch_async and get_tensor go
+    # through the dispatcher (a typed operator handle), not around it.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.ones(2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dtorch_ops.to_torch_async(x).get()
+        dtorch_ops.get_tensor(x, dtorch_ops.TensorPromise())
+    names = {event.name for event in prof.events()}
+    assert {"dtorch::get_tensor_async", "dtorch::get_tensor"} <= names, names
+
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    promise = dtorch_ops.TensorPromise()
+    future = promise.get_future()
+    with Spy():
+        dtorch_ops.get_tensor(x, promise)
+    assert "dtorch.get_tensor.default" in seen and future.get() is x

@@ -97,7 +97,8 @@ class SharedState {
   bool WaitFor(int64_t timeout_ms) const {
     std::unique_lock<std::mutex> lock(mu_);
     ThrowIfRetrievedLocked();
-    const auto timeout = std::chrono::milliseconds(std::clamp<int64_t>(timeout_ms, 0, kMaxTimeoutMs));
+    if (ready_ || timeout_ms <= 0) return ready_;  // a poll: no timed wait (a syscall) at all
+    const auto timeout = std::chrono::milliseconds(std::min(timeout_ms, kMaxTimeoutMs));
     return cv_.wait_for(lock, timeout, [this] { return ready_; });
   }
 
