@@ -61,8 +61,8 @@ template <typename C>
 torch::class_<C>& NotPicklable(torch::class_<C>& cls) {
   return cls.def_pickle(
       [](const c10::intrusive_ptr<C>&) -> std::string {
-        TORCH_CHECK(false, "dtorch: a ", C::kClassName, " cannot be pickled or copied; it "
-                    "belongs to the one consumer (or event loop) that holds it");
+        TORCH_CHECK_TYPE(false, "dtorch: a ", C::kClassName, " cannot be pickled or copied; "
+                         "it belongs to the one consumer (or event loop) that holds it");
       },
       [](std::string) -> c10::intrusive_ptr<C> {
         TORCH_CHECK(false, "dtorch: a ", C::kClassName, " cannot be unpickled");

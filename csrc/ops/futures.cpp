@@ -161,10 +161,12 @@ c10::intrusive_ptr<Future<T>> Promise<T>::GetFuture() {
 
 template <typename T>
 std::string Promise<T>::Serialize() const {
-  TORCH_CHECK(kind_ != "memory",
-              "dtorch: memory promises cannot leave the process (pickle, serialize(), "
-              "torch.jit.save of a module holding one); create the pair with a kind that crosses "
-              "processes (dtorch_ops.TensorPromise.for_tensor or kind=\"file\")");
+  // TypeError, as Python's own unpicklable objects raise (pickle's callers catch that one), and
+  // no double quote: torch 2.11's inductor pastes this message into a "..." literal.
+  TORCH_CHECK_TYPE(kind_ != "memory",
+                   "dtorch: memory promises cannot leave the process (pickle, serialize(), "
+                   "torch.jit.save of a module holding one); create the pair with a kind that "
+                   "crosses processes (dtorch_ops.TensorPromise.for_tensor or kind='file')");
   TORCH_INTERNAL_ASSERT(false, "dtorch: Serialize() for kind '", kind_, "' is not implemented");
 }
 
