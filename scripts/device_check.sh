@@ -16,13 +16,15 @@ MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install -q --no-build-isolation --no-dep
 echo "build: $(( $(date +%s) - start )) s"
 # One pytest per file: a crash in one file does not hide the others' results.
 status=0
+logs=$(mktemp -d)
 for file in tests/test_*.py; do
   name=$(basename "$file" .py)
-  python3 -m pytest "$file" -q -p no:cacheprovider -rfE --timeout 180 > "$OUT/$name.log" 2>&1
+  python3 -m pytest "$file" -q -p no:cacheprovider -rfE --timeout 180 > "$logs/$name.log" 2>&1
   rc=$?
   [ $rc -eq 0 ] || status=1
-  echo "$name: rc $rc: $(tail -1 "$OUT/$name.log")"
-  grep -E "^(FAILED|ERROR)|Fatal Python error" "$OUT/$name.log" | head -20
+  echo "$name: rc $rc: $(tail -1 "$logs/$name.log")"
+  grep -E "^(FAILED|ERROR)|Fatal Python error" "$logs/$name.log" | head -20
+  { echo "==== $name (rc $rc)"; cat "$logs/$name.log"; } >> "$OUT/tests.log"
 done
 echo "tests done: $(( $(date +%s) - start )) s"
 if [ "${BENCH:-1}" = 1 ]; then
