@@ -47,7 +47,6 @@ def test_library_links_no_python():
 def test_cpp_example_builds_and_runs_scripted_module(tmp_path):
     cmake = require_tool("cmake", "cannot build examples/cpp")
     make = require_tool("make", "cannot build examples/cpp")
-
     # The module is scripted and saved here; C++ loads it with torch::jit::load.
     scripted = torch.jit.script(_Doubler())
     x = torch.arange(4, dtype=torch.float32)
@@ -69,6 +68,10 @@ def test_cpp_example_builds_and_runs_scripted_module(tmp_path):
         ],
         timeout=180,
     )
+    if (configure.returncode != 0 and torch.backends.cuda.is_built()
+            and "Could NOT find CUDA" in configure.stdout + configure.stderr):
+        pytest.skip("find_package(Torch) of a CUDA build of torch needs the whole CUDA toolkit "
+                    "(headers and cudart), which this machine lacks")
     assert configure.returncode == 0, configure.stdout + configure.stderr
 
     compiled = _run([make, "-C", str(build), "-j2"], timeout=600)
