@@ -103,8 +103,9 @@ void DefinePromise(torch::Library& m) {
   if constexpr (std::is_same_v<T, dtorch::core::Unit>) {
     cls.def("set_value", [](const c10::intrusive_ptr<P>& self) { self->SetValue({}); });
   } else {
-    cls.def("set_value",
-            [](const c10::intrusive_ptr<P>& self, at::Tensor value) { self->SetValue(std::move(value)); });
+    cls.def("set_value", [](const c10::intrusive_ptr<P>& self, at::Tensor value) {
+      self->SetValue(std::move(value));
+    });
   }
   cls.def("set_exception", &P::SetException)
       .def("get_future", &P::GetFuture)

@@ -18,7 +18,8 @@ import torch as _torch
 
 def _load_native_library():
     try:
-        from . import _C  # noqa: F401  (the binding; loads libdtorch_ops.so, which registers the ops)
+        # The binding; importing it loads libdtorch_ops.so, which registers the ops.
+        from . import _C  # noqa: F401
     except (ImportError, OSError) as e:
         raise ImportError(
             "dtorch_ops: the compiled library could not be loaded "

@@ -26,7 +26,8 @@ namespace {
   TORCH_CHECK(false, "dtorch: ", op, " cannot run inside a torch.func transform (grad, vjp, "
               "jacrev, jvp, vmap, functionalize): its future would hold the transform's internal "
               "tensor, which carries no gradient or batch dimension. Take the value outside the "
-              "transform, e.g. return it as an auxiliary output (torch.func.grad(f, has_aux=True))");
+              "transform, e.g. return it as an auxiliary output "
+              "(torch.func.grad(f, has_aux=True))");
 }
 }  // namespace
 
