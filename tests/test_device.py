@@ -85,7 +85,7 @@ def test_work_queued_before_on_the_same_stream_is_waited_for(dev):
 
 def test_ten_thousand_pending_futures_use_a_bounded_number_of_threads(dev):
     with dev.busy():
-        first = dtorch_ops.to_torch_async(torch.zeros(1, device=dev.name))
+        first = dtorch_ops.to_torch_async(torch.full((1,), -1.0, device=dev.name))
         # Checked at once: making 10k values takes seconds on some GPU machines (CUDA's "busy"
         # is a 2 s kernel, not a gate).
         assert not first.is_ready()
@@ -95,7 +95,7 @@ def test_ten_thousand_pending_futures_use_a_bounded_number_of_threads(dev):
         assert 1 <= pollers <= 2, f"{pollers} poller threads for 10k pending futures on one stream"
     values = torch.cat([f.wait(WAIT_MS).cpu() for f in futures])
     assert torch.equal(values, torch.arange(10_000, dtype=torch.float32))
-    assert torch.equal(first.wait(WAIT_MS).cpu(), torch.zeros(1))
+    assert torch.equal(first.wait(WAIT_MS).cpu(), torch.full((1,), -1.0))
 
 
 def test_an_awaiting_coroutine_wakes_when_the_device_finishes(dev):
