@@ -192,19 +192,47 @@ def _register_dtensor_rules(dtensor_module) -> None:
         torch.library.register_torch_dispatch(op, dtensor_module.DTensor, _reject_dtensor)
 
 
-class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Registers the DTensor rules when torch.distributed.tensor is first imported.
+def _register_inductor_lowerings(lowering_module) -> None:
+    """Inductor must never write a later result into the buffer of a tensor one of our ops holds
+    (a future aliases it): without this, `buf3 = buf1; del buf1  # reuse` handed the future of
+    `loss` the value of `loss * 2 + 1`. Each such op is lowered as the usual fallback kernel with
+    its input realized and marked never-reuse (inductor internals, pinned by
+    tests/test_compile.py)."""
+    from torch._inductor.virtualized import V
 
-    Importing it eagerly would add ~0.6 s to ``import dtorch_ops``; a DTensor cannot exist before
-    that module is imported, so registering then is early enough.
+    def lower_holding_input(op):
+        def lowering(input, *args):
+            input.realize()
+            V.graph.never_reuse_buffers.add(input.get_name())
+            return lowering_module.fallback_handler(op, add_to_fallback_set=False)(input, *args)
+
+        return lowering
+
+    for op in _OPS_HOLDING_THEIR_INPUT:
+        lowering_module.register_lowering(op, type_promotion_kind=None)(lower_holding_input(op))
+
+
+# Ops whose kernels keep a reference to their tensor input after they return.
+_OPS_HOLDING_THEIR_INPUT = (torch.ops.dtorch.get_tensor.default,)
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Runs a registration when a module is first imported (at once if it already is).
+
+    For modules too costly to import with dtorch_ops (torch.distributed.tensor ~0.6 s,
+    inductor several seconds) whose objects cannot be used before they are imported: a DTensor
+    cannot exist before its module, and inductor lowers nothing before its lowering module.
     """
 
-    _NAME = "torch.distributed.tensor"
+    def __init__(self, registrations):
+        self._pending = dict(registrations)  # module name -> register(module)
 
     def find_spec(self, name, path, target=None):
-        if name != self._NAME:
+        register = self._pending.pop(name, None)
+        if register is None:
             return None
-        sys.meta_path.remove(self)
+        if not self._pending:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
@@ -212,14 +240,24 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module):
             exec_module(module)
-            _register_dtensor_rules(module)
+            register(module)
 
         spec.loader.exec_module = exec_then_register
         return spec
 
 
+def _register_on_import(registrations) -> None:
+    waiting = {}
+    for name, register in registrations.items():
+        if name in sys.modules:
+            register(sys.modules[name])
+        else:
+            waiting[name] = register
+    if waiting:
+        sys.meta_path.insert(0, _RegisterOnImport(waiting))
+
+
+_registrations = {"torch._inductor.lowering": _register_inductor_lowerings}
 if torch.distributed.is_available():
-    if _RegisterOnImport._NAME in sys.modules:
-        _register_dtensor_rules(sys.modules[_RegisterOnImport._NAME])
-    else:
-        sys.meta_path.insert(0, _RegisterOnImport())
+    _registrations["torch.distributed.tensor"] = _register_dtensor_rules
+_register_on_import(_registrations)

@@ -164,6 +164,35 @@ def test_inductor_compiled_step_logs_the_loss():
                                        torch.nn.functional.mse_loss(model(x), y).detach())
 
 
+def test_inductor_never_reuses_a_buffer_a_promise_holds():
+    # Values that are not graph outputs: inductor reused the buffer of `loss` for `loss * 2 + 1`
+    # (`buf3 = buf1; del buf1  # reuse`), and the future yielded the later value.
+    torch._dynamo.reset()
+
+    def step(x, w, p_loss, p_view, p_again):
+        product = x @ w
+        loss = product.sum()
+        torch.ops.dtorch.get_tensor(loss, p_loss)
+        row = product[1:]  # a view of an intermediate
+        dtorch_ops.get_tensor(row, p_view)
+        dtorch_ops.get_tensor(loss, p_again)  # a second future of the same tensor
+        return loss * 2 + 1, (row * 3).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(2):
+            x, w = torch.randn(3, 4), torch.randn(4, 5)
+            promises = [dtorch_ops.TensorPromise() for _ in range(3)]
+            futures = [p.get_future() for p in promises]
+            out, other = compiled(x, w, promises[0].raw, *promises[1:])
+            product = x @ w
+            torch.testing.assert_close(futures[0].wait(WAIT_MS), product.sum())
+            torch.testing.assert_close(futures[1].wait(WAIT_MS), product[1:])
+            torch.testing.assert_close(futures[2].wait(WAIT_MS), product.sum())
+            torch.testing.assert_close(out, product.sum() * 2 + 1)
+            torch.testing.assert_close(other, (product[1:] * 3).sum())
+
+
 def test_compiled_future_returning_ops_fall_back_with_a_graph_break():
     # Ops that *return* a new script object cannot be captured by Dynamo on torch 2.13: the fake
     # kernel's output must convert to the schema's class, so a FakeScriptObject is refused, and a
