@@ -19,7 +19,7 @@ import torch as _torch
 def _load_native_library():
     try:
         # The binding; importing it loads libdtorch_ops.so, which registers the ops.
-        from . import _C  # noqa: F401
+        from . import _C
     except (ImportError, OSError) as e:
         raise ImportError(
             "dtorch_ops: the compiled library could not be loaded "
@@ -28,23 +28,23 @@ def _load_native_library():
             f"{_os.path.dirname(_torch.__file__)}. Build it with `make build` (or "
             "`pip install --no-build-isolation -e .`) in the dtorch_ops checkout."
         ) from e
+    return _C
 
 
-_load_native_library()
-
+_C = _load_native_library()
 
 
 def _at_exit():
     """Before the interpreter is torn down: threads that finish a wait from now on park instead
     of re-taking the GIL (which aborts once finalization has begun), and library threads stop
     completing (and so releasing tensors that Python objects own) while Python can serve them."""
-    from . import _C
-
     _C.close_exit_gate()
     _torch.ops.dtorch._at_exit.default()
 
 
 _atexit.register(_at_exit)
+# A fork child's main thread is the thread that forked; no thread of the parent survives there.
+_os.register_at_fork(after_in_child=_C.after_fork_in_child)
 
 from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
 from .config import config  # noqa: E402

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
+import threading
 import weakref
 
 import torch
@@ -62,14 +63,18 @@ _loop_wakers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]"
 )
 
 
+_loop_wakers_lock = threading.Lock()  # event loops may run on several threads
+
+
 def _waker_for(loop) -> _LoopWaker:
     waker = _loop_wakers.get(loop)
     if waker is None:
-        # A new loop: release the eventfds of closed ones now, rather than when (or if) the
-        # garbage collector frees them (asyncio.run per request would otherwise pile them up).
-        for old in [old for old in _loop_wakers.keys() if old.is_closed()]:
-            _loop_wakers.pop(old, None)
-        waker = _loop_wakers[loop] = _LoopWaker(loop)
+        with _loop_wakers_lock:
+            # A new loop: release the eventfds of closed ones now, rather than when (or if) the
+            # garbage collector frees them (asyncio.run per request would otherwise pile them up).
+            for old in [old for old in _loop_wakers.keys() if old.is_closed()]:
+                _loop_wakers.pop(old, None)
+            waker = _loop_wakers[loop] = _LoopWaker(loop)
     return waker
 
 
@@ -122,6 +127,10 @@ def _is_tracing_tensor(t) -> bool:
         if module is not None and isinstance(t, getattr(module, cls)):
             return True
     return False
+
+
+def _fake_mode_active() -> bool:
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def _above_subclass(t, what: str) -> bool:
@@ -395,15 +404,15 @@ def get_tensor(t: torch.Tensor, promise) -> None:
     if _is_compiling():
         _check_local_tensor(t, "get_tensor")
         _get_tensor_op(t, _traced_promise(promise))
-    elif type(t) is _Tensor:
-        _C.get_tensor(t, _promise_handle(promise))
-    elif _is_tracing_tensor(t):
+    elif _fake_mode_active() or _is_tracing_tensor(t):
         # Eagerly, under a FakeTensorMode made by hand: the fake kernel would leave the promise
         # unfulfilled for good. (The raw op cannot tell this from AOTAutograd's own fake passes.)
         raise RuntimeError(
-            "dtorch: get_tensor got a fake tensor outside torch.compile/torch.export (under a "
-            "FakeTensorMode made by hand): it has no value, so the promise would never be "
-            "fulfilled; call get_tensor with a real tensor, outside FakeTensorMode")
+            "dtorch: get_tensor ran under a FakeTensorMode (or with a fake tensor) outside "
+            "torch.compile/torch.export: fake tensors have no value, so the promise would never "
+            "be fulfilled; call get_tensor with a real tensor, outside FakeTensorMode")
+    elif type(t) is _Tensor:
+        _C.get_tensor(t, _promise_handle(promise))
     else:
         _C.get_tensor(t, _promise_handle(promise), _above_subclass(t, "get_tensor"))
 

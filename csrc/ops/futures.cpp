@@ -59,7 +59,7 @@ template <typename T>
 T Future<T>::Get() {
   return TranslateErrors([&] {
     if (!backend_->IsReady()) {
-      AfterBlockingWait after;  // runs when the wait is over, also when it throws
+      BeforeReturn before_return;  // runs when the wait is over, also when it throws
       while (!backend_->WaitFor(core::kMaxTimeoutMs)) {
       }
     }
@@ -79,7 +79,7 @@ bool Future<T>::WaitFor(int64_t timeout_ms) const {
   CheckTimeout(timeout_ms);
   return TranslateErrors([&] {
     if (timeout_ms == 0 || backend_->IsReady()) return backend_->WaitFor(0);
-    AfterBlockingWait after;
+    BeforeReturn before_return;
     return backend_->WaitFor(timeout_ms);
   });
 }
@@ -120,6 +120,7 @@ void Promise<T>::SetValue(T value, const char* caller) {
     }
   }
   Claim(caller);
+  BeforeReturn before_return;  // the waiter it wakes may take the GIL meanwhile
   TranslateErrors([&] { backend_->SetValue(std::move(value)); });
 }
 
@@ -130,6 +131,7 @@ void Promise<T>::SetException(const std::string& message) {
                     "character at index ", nul, " (it would cut the message short); pass text "
                     "without NUL characters");
   Claim("set_exception");
+  BeforeReturn before_return;
   TranslateErrors([&] { backend_->SetException(message); });
 }
 

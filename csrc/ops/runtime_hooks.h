@@ -11,11 +11,13 @@
 namespace dtorch {
 
 struct RuntimeHooks {
-  // Runs on a thread that blocked in a library wait (Get, Wait, WaitFor of the futures), once the
-  // wait is over and before the thread returns to its caller. Python's hook parks a thread that
-  // would otherwise re-take the GIL after interpreter finalization began (CPython then ends the
-  // thread with a forced unwind, which aborts the process in any noexcept frame).
-  void (*after_blocking_wait)() = nullptr;
+  // Runs on a thread about to return from a library call that its caller may have entered with
+  // the GIL released (torch does so for TorchScript methods and ops called from Python): after a
+  // blocking wait (Get, Wait, WaitFor of the futures) and after a completion (SetValue,
+  // SetException). Python's hook parks a thread that would otherwise re-take the GIL after
+  // interpreter finalization began (CPython then ends the thread with a forced unwind, which
+  // aborts the process in any noexcept frame).
+  void (*before_return)() = nullptr;
   // Called by TensorPromise::SetValue with a value that has the Python dispatch key (a tensor
   // subclass); throws c10::TypeError for values that a promise cannot carry (a DTensor).
   void (*check_subclass_value)(const at::Tensor& value) = nullptr;
@@ -24,14 +26,15 @@ struct RuntimeHooks {
 void SetRuntimeHooks(const RuntimeHooks& hooks);
 const RuntimeHooks& GetRuntimeHooks();
 
-// Runs hooks.after_blocking_wait (if set) when destroyed: put one in scope before blocking.
-class AfterBlockingWait {
+// Runs hooks.before_return (if set) when destroyed: put one in scope before blocking or
+// completing.
+class BeforeReturn {
  public:
-  AfterBlockingWait() = default;
-  AfterBlockingWait(const AfterBlockingWait&) = delete;
-  AfterBlockingWait& operator=(const AfterBlockingWait&) = delete;
-  ~AfterBlockingWait() {
-    if (const auto hook = GetRuntimeHooks().after_blocking_wait) hook();
+  BeforeReturn() = default;
+  BeforeReturn(const BeforeReturn&) = delete;
+  BeforeReturn& operator=(const BeforeReturn&) = delete;
+  ~BeforeReturn() {
+    if (const auto hook = GetRuntimeHooks().before_return) hook();
   }
 };
 

@@ -127,41 +127,36 @@ py::object Wait(const c10::intrusive_ptr<W>& self, py::handle timeout) {
   return TakeValue(self);
 }
 
-// The object whose handle a Python wrapper (dtorch_ops' future classes) holds in its `_h` slot;
-// the wrapper, which the caller holds, keeps it alive for the call.
+// The handle a Python wrapper (dtorch_ops' future classes) holds in its `_h` slot.
 template <typename W>
-W& HandleOf(py::handle wrapper) {
+c10::intrusive_ptr<W> HandleOf(py::handle wrapper) {
   static PyObject* const name = PyUnicode_InternFromString("_h");
-  PyObject* handle = PyObject_GetAttr(wrapper.ptr(), name);
-  if (handle == nullptr) throw py::error_already_set();
-  Py_DECREF(handle);  // the wrapper's slot still holds it
-  return py::handle(handle).cast<W&>();
+  const auto handle = py::reinterpret_steal<py::object>(PyObject_GetAttr(wrapper.ptr(), name));
+  if (!handle) throw py::error_already_set();
+  return c10::intrusive_ptr<W>::reclaim_copy(&handle.cast<W&>());
 }
 
 // Installs get / wait / is_ready / valid on a Python wrapper class (dtorch_ops' futures) as C++
 // methods reading its `_h` slot: one C++ call each, with no Python frame in between.
 template <typename W>
 void InstallWaitMethods(py::object cls) {
-  const auto install = [&](const char* name, auto fn, const char* doc) {
-    cls.attr(name) = py::cpp_function(fn, py::name(name), py::is_method(cls), py::doc(doc));
+  const auto install = [&](const char* name, auto fn, const char* doc, auto... args) {
+    cls.attr(name) =
+        py::cpp_function(fn, py::name(name), py::is_method(cls), py::doc(doc), args...);
   };
-  // get and wait hold a reference of their own: the GIL is released while they wait.
-  install("get",
-          [](py::handle self) {
-            return Get(c10::intrusive_ptr<W>::reclaim_copy(&HandleOf<W>(self)));
-          },
+  install("get", [](py::handle self) { return Get(HandleOf<W>(self)); },
           "Blocks until the value is ready and returns it; consumes the future.\n\n"
           "The GIL is released while waiting. On the main thread Ctrl-C interrupts the wait\n"
           "(KeyboardInterrupt) and leaves the future valid.");
-  install("wait", [](py::handle self, py::handle timeout) {
-            return Wait(c10::intrusive_ptr<W>::reclaim_copy(&HandleOf<W>(self)), timeout);
-          },
+  install("wait",
+          [](py::handle self, py::handle timeout) { return Wait(HandleOf<W>(self), timeout); },
           "Returns the value like get() if it is ready within timeout_ms (an int or a float;\n"
           "fractions of a millisecond round up).\n\n"
-          "Raises TimeoutError otherwise; the future stays valid and can be waited on again.");
-  install("is_ready", [](py::handle self) { return HandleOf<W>(self).IsReady(); },
+          "Raises TimeoutError otherwise; the future stays valid and can be waited on again.",
+          py::arg("timeout_ms"));
+  install("is_ready", [](py::handle self) { return HandleOf<W>(self)->IsReady(); },
           "True when get() would not block (a value or an error is there). Never blocks.");
-  install("valid", [](py::handle self) { return HandleOf<W>(self).Valid(); },
+  install("valid", [](py::handle self) { return HandleOf<W>(self)->Valid(); },
           "False once get() or wait() has taken the value.");
 }
 
@@ -170,7 +165,7 @@ void BindFuture(py::module_& m) {
   using F = Future<T>;
   py::class_<F, c10::intrusive_ptr<F>>(m, F::kClassName)
       .def("get", &Get<F>)
-      .def("wait", &Wait<F>)
+      .def("wait", &Wait<F>, py::arg("timeout_ms"))
       .def("is_ready", &F::IsReady)
       .def("valid", &F::Valid)
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
@@ -182,25 +177,36 @@ void BindFuture(py::module_& m) {
 template <typename T>
 void BindPromise(py::module_& m) {
   using P = Promise<T>;
-  // Completions run with the GIL released, so that the waiter they wake can take it at once
-  // (measured: a Python waiter woken by a completion that held the GIL resumed ~1.5x later).
-  const auto release_gil = py::call_guard<py::gil_scoped_release>();
+  // Completions run with the GIL released (ReleasedGil: parked at exit, as waits are), so that
+  // the waiter they wake can take it at once (measured: a Python waiter woken by a completion
+  // that held the GIL resumed ~1.5x later).
   auto cls = py::class_<P, c10::intrusive_ptr<P>>(m, P::kClassName)
                  .def(py::init(
                      [](const std::string& kind) { return c10::make_intrusive<P>(kind); }))
-                 .def("set_exception", &P::SetException, release_gil)
+                 .def("set_exception",
+                      [](const c10::intrusive_ptr<P>& self, const std::string& message) {
+                        ReleasedGil unlocked;
+                        self->SetException(message);
+                      })
                  .def("get_future", &P::GetFuture)
                  .def("kind", [](const c10::intrusive_ptr<P>& self) { return self->Kind(); })
                  .def("serialize", &P::Serialize)
                  .def("script", &ToScript<P>)
                  .def_static("from_script", &FromScript<P>);
   if constexpr (std::is_same_v<T, at::Tensor>) {
-    cls.def(
-        "set_value",
-        [](const c10::intrusive_ptr<P>& self, at::Tensor value) { self->SetValue(std::move(value)); },
-        release_gil);
+    cls.def("set_value", [](const c10::intrusive_ptr<P>& self, at::Tensor value) {
+      if (value.key_set().has(c10::DispatchKey::Python)) {
+        self->SetValue(std::move(value));  // with the GIL: the subclass check needs Python
+        return;
+      }
+      ReleasedGil unlocked;
+      self->SetValue(std::move(value));
+    });
   } else {
-    cls.def("set_value", [](const c10::intrusive_ptr<P>& self) { self->SetValue({}); }, release_gil);
+    cls.def("set_value", [](const c10::intrusive_ptr<P>& self) {
+      ReleasedGil unlocked;
+      self->SetValue({});
+    });
   }
 }
 
@@ -213,6 +219,9 @@ struct AboveSubclassDispatch {
 
 // RuntimeHooks::check_subclass_value: a promise cannot carry a DTensor (raw set_value included).
 void CheckSubclassValue(const at::Tensor& value) {
+  // Once the exit gate is closed, a thread without the GIL must not take it (finalization may
+  // have begun): the check is skipped then.
+  if (!PyGILState_Check() && ExitGateClosed()) return;
   py::gil_scoped_acquire gil;
   const py::object module =
       py::module_::import("sys").attr("modules").attr("get")("torch.distributed.tensor");
@@ -229,7 +238,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "dtorch_ops' direct binding (see csrc/python/module.cpp)";
   InitMainThread();
   RuntimeHooks hooks;
-  hooks.after_blocking_wait = &ParkIfExiting;
+  hooks.before_return = &ParkIfExiting;
   hooks.check_subclass_value = &CheckSubclassValue;
   SetRuntimeHooks(hooks);
 
@@ -245,7 +254,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<VoidFutureCollect, c10::intrusive_ptr<VoidFutureCollect>>(m, "VoidFutureCollect")
       .def("get", &Get<VoidFutureCollect>)
-      .def("wait", &Wait<VoidFutureCollect>)
+      .def("wait", &Wait<VoidFutureCollect>, py::arg("timeout_ms"))
       .def("is_ready", &VoidFutureCollect::IsReady)
       .def("valid", &VoidFutureCollect::Valid)
       .def("devices", &VoidFutureCollect::Devices)
@@ -286,6 +295,7 @@ PYBIND11_MODULE(_C, m) {
 
   // Process exit (dtorch_ops' atexit handler) and diagnostics for the tests.
   m.def("close_exit_gate", &CloseExitGate);
+  m.def("after_fork_in_child", &AfterForkInChild);
   m.def("wait_wakeups", &WaitWakeups);
   m.def("fail_thread_starts_for_testing", [](int count) {
     core::CompletionPoller::Instance().FailThreadStartsForTesting(count);

@@ -15,10 +15,12 @@ namespace {
 std::atomic<unsigned long> main_thread_ident{0};
 std::atomic<uint64_t> wakeups{0};
 
-std::mutex exit_mu;
-std::condition_variable exit_cv;
-std::atomic<bool> exit_gate_closed{false};  // written under exit_mu
-int64_t reacquiring = 0;                    // guarded by exit_mu: threads on their way to the GIL
+// Pointers, leaked: a fork child replaces them (the parent's lock may have been held at the fork
+// by a thread that does not exist in the child).
+std::mutex* exit_mu = new std::mutex();
+std::condition_variable* exit_cv = new std::condition_variable();
+std::atomic<bool> exit_gate_closed{false};  // written under *exit_mu
+int64_t reacquiring = 0;                    // guarded by *exit_mu: threads on their way to the GIL
 
 [[noreturn]] void ParkForever() noexcept {
   for (;;) ::pause();
@@ -31,6 +33,15 @@ void InitMainThread() {
   main_thread_ident = threading.attr("main_thread")().attr("ident").cast<unsigned long>();
 }
 
+void AfterForkInChild() {
+  main_thread_ident = PyThread_get_thread_ident();
+  exit_mu = new std::mutex();
+  exit_cv = new std::condition_variable();
+  reacquiring = 0;
+}
+
+bool ExitGateClosed() { return exit_gate_closed.load(); }
+
 bool IsMainThread() { return PyThread_get_thread_ident() == main_thread_ident.load(); }
 
 uint64_t WaitWakeups() { return wakeups.load(); }
@@ -38,14 +49,14 @@ void CountWakeup() { ++wakeups; }
 
 void CloseExitGate() {
   {
-    std::lock_guard<std::mutex> lock(exit_mu);
+    std::lock_guard<std::mutex> lock(*exit_mu);
     exit_gate_closed = true;
     if (reacquiring == 0) return;
   }
   // Threads past the gate wait for the GIL, which this (main) thread holds: let them have it.
   pybind11::gil_scoped_release release;
-  std::unique_lock<std::mutex> lock(exit_mu);
-  exit_cv.wait_for(lock, std::chrono::seconds(1), [] { return reacquiring == 0; });
+  std::unique_lock<std::mutex> lock(*exit_mu);
+  exit_cv->wait_for(lock, std::chrono::seconds(1), [] { return reacquiring == 0; });
 }
 
 void ParkIfExiting() noexcept {
@@ -58,7 +69,7 @@ void ParkIfExiting() noexcept {
 
 ReleasedGil::~ReleasedGil() {
   {
-    std::unique_lock<std::mutex> lock(exit_mu);
+    std::unique_lock<std::mutex> lock(*exit_mu);
     if (exit_gate_closed && !IsMainThread()) {
       // Finalization may have begun: re-taking the GIL would end this thread with a forced
       // unwind (an abort here). The process is exiting; this thread stays asleep until it does.
@@ -69,10 +80,10 @@ ReleasedGil::~ReleasedGil() {
   }
   PyEval_RestoreThread(state_);
   {
-    std::lock_guard<std::mutex> lock(exit_mu);
+    std::lock_guard<std::mutex> lock(*exit_mu);
     --reacquiring;
   }
-  exit_cv.notify_all();
+  exit_cv->notify_all();
 }
 
 void RaiseIfSignalled() {

@@ -32,9 +32,15 @@ bool IsMainThread();
 
 // From dtorch_ops' atexit handler (GIL held): closes the gate (see above).
 void CloseExitGate();
-// The library's after_blocking_wait hook: parks a Python thread that released the GIL (in
-// torch's own method-call path) once the gate is closed.
+// The library's before_return hook: parks a Python thread that released the GIL (in torch's own
+// method and op call path) once the gate is closed.
 void ParkIfExiting() noexcept;
+// Whether the gate is closed (the exit handler has run).
+bool ExitGateClosed();
+// After fork(), in the child (os.register_at_fork): the forking thread is the child's main
+// thread, no thread is on its way back to the GIL, and the gate's lock is fresh (another thread
+// may have held it at the fork).
+void AfterForkInChild();
 
 // Wake-ups of waits that returned without the value (main-thread signal checks), for tests.
 uint64_t WaitWakeups();
