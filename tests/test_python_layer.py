@@ -111,9 +111,15 @@ _EXIT_WHILE_PRODUCING = """
             p = dtorch_ops.{promise}()
             futures.append(p.get_future())
             {complete}
+    def consume():  # waiters woken by those values
+        while True:
+            try:
+                futures.pop().get()
+            except (IndexError, RuntimeError):
+                time.sleep(0)
     threading.Thread(target=produce, daemon=True).start()
-    for _ in range(20):  # waiters woken by those values
-        threading.Thread(target=lambda: futures[-1].get() if futures else None, daemon=True).start()
+    for _ in range(4):
+        threading.Thread(target=consume, daemon=True).start()
     time.sleep(0.05)
 """
 

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <thread>
 
 #include <pybind11/pybind11.h>
 
@@ -51,12 +52,16 @@ void CloseExitGate() {
   {
     std::lock_guard<std::mutex> lock(*exit_mu);
     exit_gate_closed = true;
-    if (reacquiring == 0) return;
   }
   // Threads past the gate wait for the GIL, which this (main) thread holds: let them have it.
+  // Ours are counted; a thread returning through torch's own GIL guard (a raw TorchScript method
+  // or op that passed the library's hook just before the gate closed) is not, so the GIL is
+  // released for a short grace period too.
   pybind11::gil_scoped_release release;
   std::unique_lock<std::mutex> lock(*exit_mu);
   exit_cv->wait_for(lock, std::chrono::seconds(1), [] { return reacquiring == 0; });
+  lock.unlock();
+  std::this_thread::sleep_for(std::chrono::milliseconds(kExitGraceMs));
 }
 
 void ParkIfExiting() noexcept {

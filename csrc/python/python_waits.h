@@ -25,6 +25,8 @@
 namespace dtorch::python {
 
 inline constexpr int64_t kSignalCheckMs = 100;
+// How long the exit handler lets other threads take the GIL after closing the gate.
+inline constexpr int64_t kExitGraceMs = 10;
 
 // Records the interpreter's main thread. Call once, at module import (GIL held).
 void InitMainThread();
