@@ -4,7 +4,6 @@ torch.func, FakeTensorMode, bad arguments. Each test fails on the layer it repla
 import asyncio
 import copy
 import os
-import signal
 import subprocess
 import sys
 import textwrap
