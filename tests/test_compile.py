@@ -193,6 +193,33 @@ def test_inductor_never_reuses_a_buffer_a_promise_holds():
             torch.testing.assert_close(other, (product[1:] * 3).sum())
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_what_a_future_yields_when_the_graph_mutates_its_tensor_later(backend):
+    # Compiled (functionalized): an intermediate is captured as of the call; a graph input
+    # mutated later in the graph shows the mutation (it is copied back into the input).
+    # Eager: the future aliases the tensor, so it shows every later in-place change.
+    torch._dynamo.reset()
+
+    def step(x, p_intermediate, p_input):
+        y = x * 2
+        dtorch_ops.get_tensor(y, p_intermediate)
+        y.add_(100)
+        dtorch_ops.get_tensor(x, p_input)
+        x.add_(1)
+        return y.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for run, expect_intermediate in ((step, 102.0), (compiled, 2.0)):
+        x = torch.ones(3)
+        promises = [dtorch_ops.TensorPromise() for _ in range(2)]
+        futures = [p.get_future() for p in promises]
+        total = run(x, *promises)
+        assert torch.equal(total, torch.tensor(306.0))
+        assert torch.equal(futures[0].wait(WAIT_MS), torch.full((3,), expect_intermediate))
+        assert torch.equal(futures[1].wait(WAIT_MS), torch.full((3,), 2.0))  # x after add_(1)
+        assert torch.equal(x, torch.full((3,), 2.0))
+
+
 def test_compiled_future_returning_ops_fall_back_with_a_graph_break():
     # Ops that *return* a new script object cannot be captured by Dynamo on torch 2.13: the fake
     # kernel's output must convert to the schema's class, so a FakeScriptObject is refused, and a
