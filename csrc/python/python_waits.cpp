@@ -4,8 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
-#include <mutex>
+#include <chrono>
 #include <thread>
 
 #include <pybind11/pybind11.h>
@@ -16,12 +15,12 @@ namespace {
 std::atomic<unsigned long> main_thread_ident{0};
 std::atomic<uint64_t> wakeups{0};
 
-// Pointers, leaked: a fork child replaces them (the parent's lock may have been held at the fork
-// by a thread that does not exist in the child).
-std::mutex* exit_mu = new std::mutex();
-std::condition_variable* exit_cv = new std::condition_variable();
-std::atomic<bool> exit_gate_closed{false};  // written under *exit_mu
-int64_t reacquiring = 0;                    // guarded by *exit_mu: threads on their way to the GIL
+// The gate and the count of threads on their way back to the GIL are plain atomics (no lock on
+// the wait's hot path): a thread counts itself, then reads the gate; the exit handler closes the
+// gate, then reads the count. Sequentially consistent, so either the thread sees the gate closed
+// (and parks) or the handler sees it counted (and lets it take the GIL first).
+std::atomic<bool> exit_gate_closed{false};
+std::atomic<int64_t> reacquiring{0};
 
 [[noreturn]] void ParkForever() noexcept {
   for (;;) ::pause();
@@ -36,9 +35,7 @@ void InitMainThread() {
 
 void AfterForkInChild() {
   main_thread_ident = PyThread_get_thread_ident();
-  exit_mu = new std::mutex();
-  exit_cv = new std::condition_variable();
-  reacquiring = 0;
+  reacquiring = 0;  // the parent's threads do not exist here
 }
 
 bool ExitGateClosed() { return exit_gate_closed.load(); }
@@ -49,18 +46,16 @@ uint64_t WaitWakeups() { return wakeups.load(); }
 void CountWakeup() { ++wakeups; }
 
 void CloseExitGate() {
-  {
-    std::lock_guard<std::mutex> lock(*exit_mu);
-    exit_gate_closed = true;
-  }
+  exit_gate_closed = true;
   // Threads past the gate wait for the GIL, which this (main) thread holds: let them have it.
   // Ours are counted; a thread returning through torch's own GIL guard (a raw TorchScript method
   // or op that passed the library's hook just before the gate closed) is not, so the GIL is
   // released for a short grace period too.
   pybind11::gil_scoped_release release;
-  std::unique_lock<std::mutex> lock(*exit_mu);
-  exit_cv->wait_for(lock, std::chrono::seconds(1), [] { return reacquiring == 0; });
-  lock.unlock();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (reacquiring.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   std::this_thread::sleep_for(std::chrono::milliseconds(kExitGraceMs));
 }
 
@@ -73,22 +68,15 @@ void ParkIfExiting() noexcept {
 }
 
 ReleasedGil::~ReleasedGil() {
-  {
-    std::unique_lock<std::mutex> lock(*exit_mu);
-    if (exit_gate_closed && !IsMainThread()) {
-      // Finalization may have begun: re-taking the GIL would end this thread with a forced
-      // unwind (an abort here). The process is exiting; this thread stays asleep until it does.
-      lock.unlock();
-      ParkForever();
-    }
-    ++reacquiring;
+  ++reacquiring;
+  if (exit_gate_closed.load() && !IsMainThread()) {
+    // Finalization may have begun: re-taking the GIL would end this thread with a forced unwind
+    // (an abort here). The process is exiting; this thread stays asleep until it does.
+    --reacquiring;
+    ParkForever();
   }
   PyEval_RestoreThread(state_);
-  {
-    std::lock_guard<std::mutex> lock(*exit_mu);
-    --reacquiring;
-  }
-  exit_cv->notify_all();
+  --reacquiring;
 }
 
 void RaiseIfSignalled() {

@@ -40,8 +40,7 @@ void ParkIfExiting() noexcept;
 // Whether the gate is closed (the exit handler has run).
 bool ExitGateClosed();
 // After fork(), in the child (os.register_at_fork): the forking thread is the child's main
-// thread, no thread is on its way back to the GIL, and the gate's lock is fresh (another thread
-// may have held it at the fork).
+// thread, and no thread is on its way back to the GIL.
 void AfterForkInChild();
 
 // Wake-ups of waits that returned without the value (main-thread signal checks), for tests.
