@@ -96,6 +96,17 @@ async def _await_ready(waitable) -> None:
     await asyncio.shield(pending)
 
 
+def _handle_from_script(handle_class, obj):
+    """The _C handle of `obj` if it is a raw dtorch object of handle_class's class, else None
+    (each caller words its own TypeError)."""
+    if not isinstance(obj, torch.ScriptObject):
+        return None
+    try:
+        return handle_class.from_script(obj)
+    except TypeError:
+        return None
+
+
 def _script_name(obj) -> str:
     """'torch.classes.dtorch.X' for a raw dtorch object, else the Python type's name."""
     if isinstance(obj, torch.ScriptObject):
@@ -155,14 +166,14 @@ class _Waitable:
         if isinstance(raw, type(self)):
             self._h = raw._h
             return
-        try:
-            self._h = self._HANDLE.from_script(raw)
-        except TypeError:
+        handle = _handle_from_script(self._HANDLE, raw)
+        if handle is None:
             raise TypeError(
                 f"dtorch_ops.{type(self).__name__} wraps a torch.classes.dtorch."
                 f"{self._HANDLE.__name__} (the result of {self._PRODUCED_BY}), got "
                 f"{_script_name(raw)}"
-            ) from None
+            )
+        self._h = handle
         self._raw = raw
 
     @classmethod
@@ -285,14 +296,14 @@ class _PromiseBase:
 
     def __init__(self, kind: str = "memory"):
         if isinstance(kind, torch.ScriptObject):  # wrap an existing raw promise
-            try:
-                self._h = self._HANDLE.from_script(kind)
-            except TypeError:
+            handle = _handle_from_script(self._HANDLE, kind)
+            if handle is None:
                 raise TypeError(
                     f"dtorch_ops.{type(self).__name__}(kind) takes a kind ('memory', 'file', "
                     f"'network') or a raw torch.classes.dtorch.{self._HANDLE.__name__} to wrap, "
                     f"got a raw {_script_name(kind)}"
-                ) from None
+                )
+            self._h = handle
             self._raw = kind
             return
         if not isinstance(kind, str):
@@ -379,11 +390,9 @@ class VoidPromise(_PromiseBase):
 def _promise_handle(promise, wrapper=TensorPromise):
     if isinstance(promise, wrapper):
         return promise._h
-    if isinstance(promise, torch.ScriptObject):
-        try:
-            return wrapper._HANDLE.from_script(promise)
-        except TypeError:
-            pass
+    handle = _handle_from_script(wrapper._HANDLE, promise)
+    if handle is not None:
+        return handle
     raise TypeError(
         f"expected a dtorch_ops.{wrapper.__name__} (or a raw torch.classes.dtorch."
         f"{wrapper._HANDLE.__name__}), got {_script_name(promise)}"
