@@ -21,6 +21,8 @@ def main():
                     samples=10 if quick else 50)
     bench_compile.main(steps=10 if quick else 30, rounds=3 if quick else 5,
                        backend="aot_eager" if quick else "inductor")
+    bench_compile.main_future_in_graph(rounds=3 if quick else 7, calls=100 if quick else 300,
+                                       backend="aot_eager" if quick else "inductor")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ _atexit.register(_at_exit)
 # A fork child's main thread is the thread that forked; no thread of the parent survives there.
 _os.register_at_fork(after_in_child=_C.after_fork_in_child)
 
-from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
 from .config import config  # noqa: E402
 from .futures import (  # noqa: E402
     TensorFuture,
@@ -62,6 +61,8 @@ from .futures import (  # noqa: E402
     to_torch,
     to_torch_async,
 )
+# After futures (which defines the Python ops that _fake's lowerings and DTensor rules cover).
+from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
 
 
 def library_path() -> str:

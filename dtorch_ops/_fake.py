@@ -5,13 +5,14 @@ only, so Dynamo guards on the kind and does not recompile per object) and ops ru
 fake kernels. The C++ library names this module (``set_python_module``) so that torch asks for it
 when the ops are used without ``import dtorch_ops``.
 """
-import importlib.abc
-import importlib.util
 import logging
 import sys
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from ._graph_ops import register_ordered_effect
+from ._on_import import register_on_import
 
 
 def _unflatten(cls, flattened):
@@ -163,21 +164,7 @@ def _at_exit_fake():
     return None
 
 
-def _register_ordered_effect(qualname: str) -> None:
-    """Marks an op with side effects but no script-object argument (those are ordered effects
-    already) as an ordered effect: compiled graphs keep it and do not reorder it."""
-    try:  # torch >= 2.12
-        from torch._library.effects import EffectType
-
-        torch.library._register_effectful_op(qualname, EffectType.ORDERED)
-    except (ImportError, AttributeError):  # torch 2.11
-        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
-
-        _register_effectful_op(getattr(torch.ops.dtorch, qualname.split("::")[1]).default,
-                               _EffectType.ORDERED)
-
-
-_register_ordered_effect("dtorch::sync_wait")
+register_ordered_effect("dtorch::sync_wait")
 
 
 def _reject_dtensor(cls, func, types, args=(), kwargs=None):
@@ -188,7 +175,7 @@ def _reject_dtensor(cls, func, types, args=(), kwargs=None):
 
 
 def _register_dtensor_rules(dtensor_module) -> None:
-    for op in ("dtorch::get_tensor", "dtorch::get_tensor_async"):
+    for op in _OPS_TAKING_A_TENSOR:
         torch.library.register_torch_dispatch(op, dtensor_module.DTensor, _reject_dtensor)
 
 
@@ -212,52 +199,17 @@ def _register_inductor_lowerings(lowering_module) -> None:
         lowering_module.register_lowering(op, type_promotion_kind=None)(lower_holding_input(op))
 
 
-# Ops whose kernels keep a reference to their tensor input after they return.
-_OPS_HOLDING_THEIR_INPUT = (torch.ops.dtorch.get_tensor.default,)
-
-
-class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Runs a registration when a module is first imported (at once if it already is).
-
-    For modules too costly to import with dtorch_ops (torch.distributed.tensor ~0.6 s,
-    inductor several seconds) whose objects cannot be used before they are imported: a DTensor
-    cannot exist before its module, and inductor lowers nothing before its lowering module.
-    """
-
-    def __init__(self, registrations):
-        self._pending = dict(registrations)  # module name -> register(module)
-
-    def find_spec(self, name, path, target=None):
-        register = self._pending.pop(name, None)
-        if register is None:
-            return None
-        if not self._pending:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_register(module):
-            exec_module(module)
-            register(module)
-
-        spec.loader.exec_module = exec_then_register
-        return spec
-
-
-def _register_on_import(registrations) -> None:
-    waiting = {}
-    for name, register in registrations.items():
-        if name in sys.modules:
-            register(sys.modules[name])
-        else:
-            waiting[name] = register
-    if waiting:
-        sys.meta_path.insert(0, _RegisterOnImport(waiting))
+# Ops whose kernels keep a reference to their tensor input after they return (the futures they
+# fulfil alias it); the Python-defined to_torch_async exists where this torch has opaque types.
+_OPS_HOLDING_THEIR_INPUT = tuple(
+    getattr(torch.ops.dtorch, name).default
+    for name in ("get_tensor", "to_torch_async") if hasattr(torch.ops.dtorch, name))
+# Ops that take a tensor: a DTensor gets the error that says to pass a local tensor.
+_OPS_TAKING_A_TENSOR = tuple(op.name() for op in _OPS_HOLDING_THEIR_INPUT) + (
+    "dtorch::get_tensor_async",)
 
 
 _registrations = {"torch._inductor.lowering": _register_inductor_lowerings}
 if torch.distributed.is_available():
     _registrations["torch.distributed.tensor"] = _register_dtensor_rules
-_register_on_import(_registrations)
+register_on_import(_registrations)

@@ -15,7 +15,8 @@ import weakref
 
 import torch
 
-from . import _C
+from . import _C, _graph_ops
+from ._on_import import register_on_import
 from .config import config
 
 _Tensor = torch.Tensor
@@ -27,6 +28,7 @@ _get_tensor_op = torch.ops.dtorch.get_tensor.default
 _get_tensor_async_op = torch.ops.dtorch.get_tensor_async.default
 _sync_op = torch.ops.dtorch.sync.default
 _sync_wait_op = torch.ops.dtorch.sync_wait.default
+_sync_into_op = torch.ops.dtorch.sync_into.default
 
 
 class _LoopWaker:
@@ -140,6 +142,12 @@ def _is_tracing_tensor(t) -> bool:
     return False
 
 
+def _is_wrapper_subclass_in_graph(t) -> bool:
+    """While Dynamo traces: whether t is a tensor subclass, which compiled graphs unwrap before our
+    ops run (they would see the tensors it wraps, not the subclass)."""
+    return type(t) is not _Tensor and not _is_tracing_tensor(t)
+
+
 def _fake_mode_active() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
@@ -153,10 +161,15 @@ def _above_subclass(t, what: str) -> bool:
             and not _is_tracing_tensor(t))
 
 
-class _Waitable:
-    """get / wait / is_ready / valid / await over a handle (its class: _HANDLE)."""
+class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
+    """get / wait / is_ready / valid / await over a handle (its class: _HANDLE).
 
-    __slots__ = ("_h", "_raw", "_pending")
+    The metaclass lets the future classes be torch.compile opaque reference types
+    (dtorch_ops/_graph_ops.py), so compiled graphs can create and return them.
+    """
+
+    # __weakref__: tracing keeps opaque objects in weak dictionaries.
+    __slots__ = ("_h", "_raw", "_pending", "__weakref__")
     _HANDLE = None
     _PRODUCED_BY = ""
 
@@ -286,6 +299,17 @@ class VoidFutureCollect(_Waitable):
 for _cls in (TensorFuture, VoidFuture, VoidFutureCollect):
     _C.install_wait_methods(_cls, _cls._HANDLE)
 
+# The ops that create these futures inside compiled graphs; None on a torch without opaque types.
+_graph = _graph_ops.define(TensorFuture, VoidFutureCollect, _C)
+
+
+def _break_for_promise_method(name: str) -> None:
+    torch._dynamo.graph_break(msg=(
+        f"a dtorch_ops promise's {name}() inside a compiled region runs eagerly (a graph break). "
+        "The forms that compile: dtorch_ops.get_tensor(t, promise) / sync_into(devices, "
+        "promise) with a promise created outside, or dtorch_ops.to_torch_async(t) / "
+        "sync_async(), which return the future"))
+
 
 class _PromiseBase:
     """set_value once, or set_exception; get_future once; pickling through serialize()."""
@@ -295,6 +319,12 @@ class _PromiseBase:
     _FUTURE = _Waitable
 
     def __init__(self, kind: str = "memory"):
+        if _is_compiling():
+            torch._dynamo.graph_break(msg=(
+                f"dtorch_ops.{type(self).__name__}() inside a compiled region runs eagerly (a "
+                "graph break): a graph cannot create a promise. To compile the whole step, "
+                "create the promise outside and pass it in (get_tensor(t, promise) compiles), "
+                "or use dtorch_ops.to_torch_async(t), which compiles and returns the future"))
         if isinstance(kind, torch.ScriptObject):  # wrap an existing raw promise
             handle = _handle_from_script(self._HANDLE, kind)
             if handle is None:
@@ -332,10 +362,14 @@ class _PromiseBase:
 
     def get_future(self):
         """The consumer's end; a promise has exactly one future."""
+        if _is_compiling():
+            _break_for_promise_method("get_future")
         return self._FUTURE._wrap(self._h.get_future())
 
     def set_exception(self, message: str) -> None:
         """Fails the future: its get()/wait()/await raise an error carrying message."""
+        if _is_compiling():
+            _break_for_promise_method("set_exception")
         self._h.set_exception(str(message))
 
     def kind(self) -> str:
@@ -370,6 +404,8 @@ class TensorPromise(_PromiseBase):
 
     def set_value(self, t: torch.Tensor) -> None:
         """Fulfils the promise with t (no copy). A second set raises; the first value stays."""
+        if _is_compiling():
+            _break_for_promise_method("set_value")
         _check_local_tensor(t, "TensorPromise.set_value")
         self._h.set_value(t)
 
@@ -384,6 +420,8 @@ class VoidPromise(_PromiseBase):
 
     def set_value(self) -> None:
         """Signals completion. A second set raises."""
+        if _is_compiling():
+            _break_for_promise_method("set_value")
         self._h.set_value()
 
 
@@ -428,9 +466,14 @@ def get_tensor(t: torch.Tensor, promise) -> None:
 
 def to_torch_async(t: torch.Tensor) -> TensorFuture:
     """Returns at once a future that yields t (aliased, no copy) when the work producing it is
-    done. On CPU the value is ready at once."""
-    if _is_compiling():  # the op: a graph break (see README), then it runs eagerly
+    done. On CPU the value is ready at once. Inside torch.compile: an ordered op of the graph."""
+    if _is_compiling():
         _check_local_tensor(t, "to_torch_async")
+        if _is_wrapper_subclass_in_graph(t):
+            return _in_graph_eagerly.to_torch_async(t)  # a graph break, then the eager path
+        if _graph is not None:
+            return _graph.to_torch_async(t)
+        # A torch without opaque types: the raw op, a graph break, then it runs eagerly.
         return TensorFuture._from_op(_get_tensor_async_op(t))
     if type(t) is _Tensor:
         return TensorFuture._wrap(_C.get_tensor_async(t))
@@ -438,8 +481,36 @@ def to_torch_async(t: torch.Tensor) -> TensorFuture:
 
 
 def to_torch(t: torch.Tensor) -> torch.Tensor:
-    """The blocking form: to_torch_async(t).get()."""
+    """The blocking form: to_torch_async(t).get(). Inside torch.compile a graph break: a wait
+    cannot be part of a graph."""
+    if _is_compiling():
+        return _in_graph_eagerly.to_torch(t)  # a graph break, then the eager path
     return to_torch_async(t).get()
+
+
+class _InGraphEagerly:
+    """What compiled code calls to run a call eagerly: torch.compiler.disable'd versions of our
+    functions, so that Dynamo breaks the graph at the user's call with the reason given (a plain
+    graph break would trace the rest of our function in a resumed frame). Made when torch._dynamo
+    is imported (no graph is traced before), as importing it with dtorch_ops would cost ~1 s."""
+
+    to_torch = to_torch_async = None
+
+    @classmethod
+    def define(cls, _dynamo_module) -> None:
+        disable = torch.compiler.disable
+        cls.to_torch = staticmethod(disable(to_torch, reason=(
+            "dtorch_ops.to_torch(t) blocks until t's value is ready, which a compiled graph "
+            "cannot do: it runs eagerly (a graph break). To compile the whole step, call "
+            "dtorch_ops.to_torch_async(t) inside it and get() the future outside")))
+        cls.to_torch_async = staticmethod(disable(to_torch_async, reason=(
+            "dtorch_ops.to_torch_async on a tensor subclass runs eagerly (a graph break), so "
+            "that its future yields the subclass: inside a graph the op would see the tensors "
+            "the subclass wraps. Pass a plain tensor to compile it into the graph")))
+
+
+_in_graph_eagerly = _InGraphEagerly
+register_on_import({"torch._dynamo": _InGraphEagerly.define})
 
 
 def promise_kind_for(t: torch.Tensor, per_device_per_process: bool | None = None) -> str:
@@ -497,13 +568,21 @@ def sync(devices=None) -> None:
 
 def sync_async(devices=None) -> VoidFutureCollect:
     """Like sync(), but returns at once an awaitable VoidFutureCollect (get / wait / await)."""
-    if _is_compiling():  # the op: a graph break (see README), then it runs eagerly
-        return VoidFutureCollect._from_op(_sync_op(_device_list(devices, "sync_async")))
+    if _is_compiling():
+        devices = _device_list(devices, "sync_async")
+        if _graph is not None:
+            return _graph.sync_async(devices)
+        # A torch without opaque types: the raw op, a graph break, then it runs eagerly.
+        return VoidFutureCollect._from_op(_sync_op(devices))
     return VoidFutureCollect._wrap(_C.sync_async(_device_list(devices, "sync_async")))
 
 
 def sync_into(devices, promise) -> None:
-    """Fulfils a VoidPromise (it may belong to another process) when the devices are done."""
+    """Fulfils a VoidPromise (it may belong to another process) when the devices are done.
+    Usable inside torch.compile'd code with a promise created outside."""
+    if _is_compiling():
+        _sync_into_op(_device_list(devices, "sync_into"), _traced_promise(promise, VoidPromise))
+        return
     _C.sync_into(_device_list(devices, "sync_into"), _promise_handle(promise, VoidPromise))
 
 

@@ -17,7 +17,7 @@ echo "build: $(( $(date +%s) - start )) s"
 # One pytest per file: a crash in one file does not hide the others' results.
 status=0
 logs=$(mktemp -d)
-for file in tests/test_*.py; do
+for file in tests/test_*.py tests/gpu/test_*.py; do
   name=$(basename "$file" .py)
   python3 -m pytest "$file" -q -p no:cacheprovider -rfE --timeout 180 > "$logs/$name.log" 2>&1
   rc=$?

@@ -351,7 +351,9 @@ def test_dtensor_gets_a_clear_error():
         for call in (lambda: dtorch_ops.to_torch_async(d),
                      lambda: dtorch_ops.get_tensor(d, promise),
                      lambda: torch.ops.dtorch.get_tensor_async(d),
-                     lambda: torch.ops.dtorch.get_tensor(d, promise.raw)):
+                     lambda: torch.ops.dtorch.get_tensor(d, promise.raw),
+                     lambda: torch.ops.dtorch.to_torch_async(d),
+                     lambda: torch.compile(dtorch_ops.to_torch_async, backend="eager")(d)):
             with pytest.raises(TypeError, match=r"to_local\(\)"):
                 call()
     finally:

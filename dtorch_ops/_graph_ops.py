@@ -1,0 +1,170 @@
+"""Ops that create futures inside torch.compile graphs: the Python future classes as opaque types.
+
+Dynamo accepts an op's output only if it is a tensor, a FakeScriptObject or an object of a
+registered opaque type; a TorchScript object (what ``dtorch::get_tensor_async`` returns) is none
+of these, and a fake kernel cannot stand in for one (the dispatcher converts a fake kernel's output
+to the schema's C++ class). So the Python future classes are registered as reference-type opaque
+objects (``torch._library.opaque_object``), and two ops defined here return them:
+
+    dtorch::to_torch_async(Tensor input) -> dtorch_ops.futures.TensorFuture
+    dtorch::sync_async(Device[]? devices=None) -> dtorch_ops.futures.VoidFutureCollect
+
+Their kernels call the C++ ops through the binding and wrap the result; their fake kernels make a
+placeholder future (it fails with a message saying where it came from); they are ordered effects,
+so a compiled graph keeps them, runs them once per call and records the completion right after the
+value's producer. ``dtorch_ops.to_torch_async`` / ``sync_async`` call them only while compiling:
+eager calls keep the direct binding (one C++ call, no dispatcher round trip through Python).
+
+Where this torch lacks the API (or refuses these registrations) ``define`` returns None and compiled
+code falls back to the raw ops: a graph break that runs them eagerly.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+NAMESPACE = "dtorch"
+
+
+@dataclass(frozen=True)
+class GraphOps:
+    """The op overloads compiled code calls (``torch.ops.dtorch.<name>.default``)."""
+
+    to_torch_async: torch._ops.OpOverload
+    sync_async: torch._ops.OpOverload
+
+
+def opaque_metaclass() -> type:
+    """The metaclass the future classes need to be registered as opaque reference types
+    (isinstance() then also accepts their stand-ins while tracing); ``type`` without the API."""
+    try:
+        from torch._opaque_base import OpaqueBaseMeta
+    except ImportError:
+        return type
+    return OpaqueBaseMeta
+
+
+def register_ordered_effect(qualname: str) -> None:
+    """Marks an op as an ordered effect: compiled graphs keep it, run it once per call and do not
+    reorder it. (Ops with a script-object argument are ordered effects already.)"""
+    try:  # torch >= 2.12
+        from torch._library.effects import EffectType
+
+        torch.library._register_effectful_op(qualname, EffectType.ORDERED)
+    except (ImportError, AttributeError):  # torch 2.11
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+        namespace, name = qualname.split("::")
+        _register_effectful_op(getattr(getattr(torch.ops, namespace), name).default,
+                               _EffectType.ORDERED)
+
+
+# What a user may call on a future; the placeholder's versions break the graph.
+_WAIT_MEMBERS = ("get", "wait", "is_ready", "valid", "kind", "devices")
+
+
+def _placeholder_class(cls):
+    """The class of the future a fake kernel returns while a graph is traced. A member called on
+    it in the graph that created it breaks the graph (Dynamo inlines it: a static function, as a
+    bound method would be run on the stand-in, where a graph break is a hard error), so the call
+    runs eagerly, after the graph, on the real future."""
+
+    def graph_break(*args, **kwargs):
+        torch._dynamo.graph_break(msg=(
+            f"a dtorch_ops.{cls.__name__} created inside a compiled region has no value while "
+            "the region is traced, so waiting on it or asking its state there runs eagerly "
+            "(a graph break). To compile the whole step, return the future (or store it) and "
+            "call get() / wait() / is_ready() outside the compiled function"))
+
+    def __repr__(self):
+        # Shown where torch refuses the object, e.g. torch.export.save: "Unable to serialize
+        # output <this>".
+        return (f"<a dtorch_ops.{cls.__name__} created by a traced graph: an opaque Python "
+                "object, which serialized programs (torch.export.save) cannot hold; return no "
+                "future from a module you save>")
+
+    members = {name: staticmethod(graph_break) for name in _WAIT_MEMBERS if hasattr(cls, name)}
+    return type(f"_Traced{cls.__name__}", (cls,),
+                {"__slots__": (), "__module__": cls.__module__, "__repr__": __repr__, **members})
+
+
+# Kept alive for the process: the ops' definitions live as long as this Library object.
+_library = None
+
+
+def define(tensor_future_cls, collect_cls, c_module) -> GraphOps | None:
+    """Registers the future classes as opaque types and defines the ops; None where this torch
+    cannot (compiled code then falls back to a graph break)."""
+    global _library
+    try:
+        from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:
+        return None
+    if not isinstance(tensor_future_cls, opaque_metaclass()):
+        return None
+    try:
+        for cls in (tensor_future_cls, collect_cls):
+            register_opaque_type(cls, typ="reference")
+        future_type = get_opaque_type_name(tensor_future_cls)
+        collect_type = get_opaque_type_name(collect_cls)
+        library = torch.library.Library(NAMESPACE, "FRAGMENT")
+        # Library.define rather than torch.library.custom_op: ~20 % less per call.
+        library.define(f"to_torch_async(Tensor input) -> {future_type}")
+        library.define(f"sync_async(Device[]? devices=None) -> {collect_type}")
+    except Exception as e:  # a torch whose opaque API differs: the graph-break fallback
+        warnings.warn(f"dtorch_ops: futures made inside torch.compile graphs fall back to a graph "
+                      f"break on torch {torch.__version__} ({type(e).__name__}: {e})",
+                      stacklevel=3)
+        return None
+
+    # Members Dynamo may reach: on a future passed into a graph they are C++ calls it cannot trace
+    # (a graph break that runs them eagerly); on one the graph itself creates, the placeholder's
+    # (below) break the graph with a message naming the form that compiles.
+    from torch._library.opaque_object import MemberType, get_opaque_obj_info
+
+    for cls in (tensor_future_cls, collect_cls):
+        get_opaque_obj_info(cls).members.update(
+            {name: MemberType.INLINED for name in _WAIT_MEMBERS if hasattr(cls, name)})
+    placeholder_future_cls = _placeholder_class(tensor_future_cls)
+    placeholder_collect_cls = _placeholder_class(collect_cls)
+    wrap_future = tensor_future_cls._wrap
+    wrap_collect = collect_cls._wrap
+    c_get_tensor_async = c_module.get_tensor_async
+    c_sync_async = c_module.sync_async
+
+    def to_torch_async(input):
+        return wrap_future(c_get_tensor_async(input))
+
+    def sync_async(devices=None):
+        return wrap_collect(c_sync_async(devices))
+
+    library.impl("to_torch_async", to_torch_async, "CompositeExplicitAutograd")
+    library.impl("sync_async", sync_async, "CompositeExplicitAutograd")
+
+    # Fake kernels: Dynamo needs an instance of the registered class, not a fake object. Made
+    # outside the fake mode (newer torch refuses reference opaques created under it); a
+    # placeholder future fails with a message saying where it came from, should anything wait on
+    # it; a placeholder collect spans no device.
+    def to_torch_async_fake(input):
+        with unset_fake_temporarily():
+            promise = c_module.TensorPromise("memory")
+            promise.set_exception("this future is dtorch::to_torch_async's placeholder made "
+                                  "while tracing; it holds no value")
+            return placeholder_future_cls._wrap(promise.get_future())
+
+    def sync_async_fake(devices=None):
+        with unset_fake_temporarily():
+            return placeholder_collect_cls._wrap(c_sync_async([]))
+
+    torch.library.register_fake(f"{NAMESPACE}::to_torch_async", to_torch_async_fake,
+                                lib=library)
+    torch.library.register_fake(f"{NAMESPACE}::sync_async", sync_async_fake, lib=library)
+    for name in ("to_torch_async", "sync_async"):
+        register_ordered_effect(f"{NAMESPACE}::{name}")
+    _library = library
+    ops = torch.ops.dtorch
+    return GraphOps(to_torch_async=ops.to_torch_async.default,
+                    sync_async=ops.sync_async.default)
