@@ -61,6 +61,16 @@ def register_ordered_effect(qualname: str) -> None:
                                _EffectType.ORDERED)
 
 
+def _returns_opaques_from_graphs() -> bool:
+    """torch 2.11's Dynamo takes an opaque object from an op but cannot return one from a graph
+    (no bytecode reconstruction for it: "Reconstruction failure") nor take a subclass of an opaque
+    type for it; 2.12 added both (checked in their sources: torch/_dynamo/codegen.py,
+    torch/_library/opaque_object.py)."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__) >= "2.12"
+
+
 # What a user may call on a future; the placeholder's versions break the graph.
 _WAIT_MEMBERS = ("get", "wait", "is_ready", "valid", "kind", "devices")
 
@@ -103,7 +113,7 @@ def define(tensor_future_cls, collect_cls, c_module) -> GraphOps | None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
     except ImportError:
         return None
-    if not isinstance(tensor_future_cls, opaque_metaclass()):
+    if not isinstance(tensor_future_cls, opaque_metaclass()) or not _returns_opaques_from_graphs():
         return None
     try:
         for cls in (tensor_future_cls, collect_cls):

@@ -12,6 +12,11 @@ import dtorch_ops
 from conftest import WAIT_MS
 
 UTILS = ["test_schema", "test_autograd_registration", "test_faketensor"]
+GRAPH_OPS = pytest.mark.skipif(
+    dtorch_ops.futures._graph is None,
+    reason=f"torch {torch.__version__} cannot return opaque objects from compiled graphs: compiled "
+           "code falls back to a graph break "
+           "(test_without_opaque_types_compiled_code_falls_back_to_a_graph_break)")
 
 
 # ---- opcheck: every op, one call per utility, fresh promises for each ----
@@ -36,7 +41,7 @@ def test_opcheck_get_tensor_async(util):
     _check(torch.ops.dtorch.get_tensor_async.default, (torch.randn(2, 2),), util)
 
 
-@pytest.mark.skipif(dtorch_ops.futures._graph is None, reason="no opaque types in this torch")
+@GRAPH_OPS
 @pytest.mark.parametrize("util", UTILS)
 @pytest.mark.parametrize("op, args", [
     ("to_torch_async", (torch.randn(2, 2),)),
@@ -205,27 +210,40 @@ def test_inductor_never_reuses_a_buffer_a_promise_holds():
             torch.testing.assert_close(other, (product[1:] * 3).sum())
 
 
+def _mutating_step_with_promises(x, p_intermediate, p_input):
+    y = x * 2
+    dtorch_ops.get_tensor(y, p_intermediate)
+    y.add_(100)
+    dtorch_ops.get_tensor(x, p_input)
+    x.add_(1)
+    return y.sum(), None
+
+
+def _mutating_step_with_futures(x, p_intermediate, p_input):
+    y = x * 2
+    intermediate = dtorch_ops.to_torch_async(y)
+    y.add_(100)
+    graph_input = dtorch_ops.to_torch_async(x)
+    x.add_(1)
+    return y.sum(), (intermediate, graph_input)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_what_a_future_yields_when_the_graph_mutates_its_tensor_later(backend):
+@pytest.mark.parametrize("step", [_mutating_step_with_promises, _mutating_step_with_futures])
+def test_what_a_future_yields_when_the_graph_mutates_its_tensor_later(backend, step):
     # Compiled (functionalized): an intermediate is captured as of the call; a graph input
     # mutated later in the graph shows the mutation (it is copied back into the input).
     # Eager: the future aliases the tensor, so it shows every later in-place change.
+    if step is _mutating_step_with_futures and dtorch_ops.futures._graph is None:
+        pytest.skip("this torch cannot return opaque objects from graphs")
     torch._dynamo.reset()
-
-    def step(x, p_intermediate, p_input):
-        y = x * 2
-        dtorch_ops.get_tensor(y, p_intermediate)
-        y.add_(100)
-        dtorch_ops.get_tensor(x, p_input)
-        x.add_(1)
-        return y.sum()
-
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     for run, expect_intermediate in ((step, 102.0), (compiled, 2.0)):
         x = torch.ones(3)
         promises = [dtorch_ops.TensorPromise() for _ in range(2)]
         futures = [p.get_future() for p in promises]
-        total = run(x, *promises)
+        total, made = run(x, *promises)
+        futures = made or futures
         assert torch.equal(total, torch.tensor(306.0))
         assert torch.equal(futures[0].wait(WAIT_MS), torch.full((3,), expect_intermediate))
         assert torch.equal(futures[1].wait(WAIT_MS), torch.full((3,), 2.0))  # x after add_(1)
@@ -234,10 +252,6 @@ def test_what_a_future_yields_when_the_graph_mutates_its_tensor_later(backend):
 
 # ---- futures created inside compiled graphs (opaque future classes, Python-defined ops) ----
 
-GRAPH_OPS = pytest.mark.skipif(
-    dtorch_ops.futures._graph is None,
-    reason=f"torch {torch.__version__} has no opaque types: compiled code falls back to a graph "
-           "break (test_without_opaque_types_compiled_code_falls_back_to_a_graph_break)")
 BACKENDS = ["eager", "aot_eager", "inductor"]
 
 
@@ -464,7 +478,7 @@ def _set_value_inside(x, promise):
 ])
 def test_graph_breaks_name_the_form_that_compiles(fn, match, needs_graph_ops):
     if needs_graph_ops and dtorch_ops.futures._graph is None:
-        pytest.skip("no opaque types in this torch")
+        pytest.skip("this torch cannot return opaque objects from graphs")
     x = torch.ones(3)
     with pytest.raises(torch._dynamo.exc.Unsupported, match=match) as info:
         _compile(fn, fullgraph=True)(x)

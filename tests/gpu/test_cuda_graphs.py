@@ -9,7 +9,8 @@ from conftest import CUDA, WAIT_MS
 
 
 @CUDA
-@pytest.mark.skipif(dtorch_ops.futures._graph is None, reason="no opaque types in this torch")
+@pytest.mark.skipif(dtorch_ops.futures._graph is None,
+                    reason="this torch cannot return opaque objects from graphs")
 def test_reduce_overhead_falls_back_from_cuda_graphs_and_gives_the_values():
     from torch._dynamo.utils import counters
 
