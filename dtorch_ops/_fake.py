@@ -11,7 +11,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ._graph_ops import register_ordered_effect
+from ._graph_ops import register_ordered_effect, require_fake_mode
 from ._on_import import register_on_import
 
 
@@ -42,17 +42,6 @@ class _DeepcopyFallbackFilter(logging.Filter):
 
 
 logging.getLogger("torch._library.fake_class_registry").addFilter(_DeepcopyFallbackFilter())
-
-
-def _require_fake_mode(op: str, input) -> None:
-    """Fake kernels also serve as Meta kernels; a real meta tensor has no value to hand over."""
-    try:
-        torch.library.get_ctx()
-    except RuntimeError:
-        raise NotImplementedError(
-            f"dtorch::{op}: meta tensors have no value to hand over; pass a tensor on a real "
-            "device (or trace under FakeTensorMode)"
-        ) from None
 
 
 def _register_fake_class(name: str, methods: tuple, why: str):
@@ -113,7 +102,7 @@ def _in_cross_ref_check() -> bool:
 
 @torch.library.register_fake("dtorch::get_tensor")
 def _get_tensor_fake(input, promise):
-    _require_fake_mode("get_tensor", input)
+    require_fake_mode("get_tensor", input)
     if isinstance(promise, torch.ScriptObject) and not _in_cross_ref_check():
         # Tracing hands fake kernels stand-ins (FakeScriptObject); a real promise means the op
         # was called under FakeTensorMode by hand, where no value exists to fulfil it with.
@@ -127,7 +116,7 @@ def _get_tensor_fake(input, promise):
 
 @torch.library.register_fake("dtorch::get_tensor_async")
 def _get_tensor_async_fake(input):
-    _require_fake_mode("get_tensor_async", input)
+    require_fake_mode("get_tensor_async", input)
     # The op's output must convert to the schema's class type (a FakeScriptObject does not), so
     # the fake output is a real future that can only report that it came from tracing. Dynamo
     # (torch 2.13) then graph-breaks at the op and runs it eagerly: ops returning a new script
@@ -184,12 +173,18 @@ def _register_inductor_lowerings(lowering_module) -> None:
     (a future aliases it): without this, `buf3 = buf1; del buf1  # reuse` handed the future of
     `loss` the value of `loss * 2 + 1`. Each such op is lowered as the usual fallback kernel with
     its input realized and marked never-reuse (inductor internals, pinned by
-    tests/test_compile.py)."""
+    tests/test_compile.py). In a training forward an intermediate is first copied into a buffer of
+    our own: the backward graph may reuse the buffers of the activations saved for it (it wrote
+    cos(h) into the future of h); the copy is a pointwise node that fuses into its producer. Graph
+    inputs are held as they are (a later in-graph mutation shows, as under aot_eager)."""
     from torch._inductor.virtualized import V
 
     def lower_holding_input(op):
         def lowering(input, *args):
             input.realize()
+            if not V.graph.is_inference and input.get_name() not in V.graph.graph_inputs:
+                input = lowering_module.clone(input)
+                input.realize()
             V.graph.never_reuse_buffers.add(input.get_name())
             return lowering_module.fallback_handler(op, add_to_fallback_set=False)(input, *args)
 

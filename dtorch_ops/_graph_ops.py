@@ -79,14 +79,20 @@ def _placeholder_class(cls):
     """The class of the future a fake kernel returns while a graph is traced. A member called on
     it in the graph that created it breaks the graph (Dynamo inlines it: a static function, as a
     bound method would be run on the stand-in, where a graph break is a hard error), so the call
-    runs eagerly, after the graph, on the real future."""
+    runs eagerly, after the graph, on the real future. Outside Dynamo (torch.export's non-strict
+    tracing) there is no graph break to take: it raises."""
 
     def graph_break(*args, **kwargs):
-        torch._dynamo.graph_break(msg=(
-            f"a dtorch_ops.{cls.__name__} created inside a compiled region has no value while "
-            "the region is traced, so waiting on it or asking its state there runs eagerly "
-            "(a graph break). To compile the whole step, return the future (or store it) and "
-            "call get() / wait() / is_ready() outside the compiled function"))
+        if torch.compiler.is_dynamo_compiling():
+            torch._dynamo.graph_break(msg=(
+                f"a dtorch_ops.{cls.__name__} created inside a compiled region has no value "
+                "while the region is traced, so waiting on it or asking its state there runs "
+                "eagerly (a graph break). To compile the whole step, return the future (or store "
+                "it) and call get() / wait() / is_ready() outside the compiled function"))
+        raise RuntimeError(
+            f"dtorch: a dtorch_ops.{cls.__name__} created while tracing (torch.export) has no "
+            "value yet: waiting on it or asking its state cannot be part of the traced program. "
+            "Return the future from the module and wait on it outside")
 
     def __repr__(self):
         # Shown where torch refuses the object, e.g. torch.export.save: "Unable to serialize
@@ -98,6 +104,17 @@ def _placeholder_class(cls):
     members = {name: staticmethod(graph_break) for name in _WAIT_MEMBERS if hasattr(cls, name)}
     return type(f"_Traced{cls.__name__}", (cls,),
                 {"__slots__": (), "__module__": cls.__module__, "__repr__": __repr__, **members})
+
+
+def require_fake_mode(op: str, input) -> None:
+    """Fake kernels also serve as Meta kernels; a real meta tensor has no value to hand over."""
+    try:
+        torch.library.get_ctx()
+    except RuntimeError:
+        raise NotImplementedError(
+            f"dtorch::{op}: meta tensors have no value to hand over; pass a tensor on a real "
+            "device (or trace under FakeTensorMode)"
+        ) from None
 
 
 # Kept alive for the process: the ops' definitions live as long as this Library object.
@@ -130,14 +147,15 @@ def define(tensor_future_cls, collect_cls, c_module) -> GraphOps | None:
                       stacklevel=3)
         return None
 
-    # Members Dynamo may reach: on a future passed into a graph they are C++ calls it cannot trace
-    # (a graph break that runs them eagerly); on one the graph itself creates, the placeholder's
-    # (below) break the graph with a message naming the form that compiles.
+    # Members Dynamo may reach (any other is a hard error there): on a future passed into a graph
+    # they break the graph and run eagerly (C++ calls Dynamo cannot trace, or Python ones that
+    # say why); on one the graph itself creates, the placeholder's break the graph with a message
+    # naming the form that compiles.
     from torch._library.opaque_object import MemberType, get_opaque_obj_info
 
     for cls in (tensor_future_cls, collect_cls):
         get_opaque_obj_info(cls).members.update(
-            {name: MemberType.INLINED for name in _WAIT_MEMBERS if hasattr(cls, name)})
+            {name: MemberType.INLINED for name in (*_WAIT_MEMBERS, "raw") if hasattr(cls, name)})
     placeholder_future_cls = _placeholder_class(tensor_future_cls)
     placeholder_collect_cls = _placeholder_class(collect_cls)
     wrap_future = tensor_future_cls._wrap
@@ -159,6 +177,7 @@ def define(tensor_future_cls, collect_cls, c_module) -> GraphOps | None:
     # placeholder future fails with a message saying where it came from, should anything wait on
     # it; a placeholder collect spans no device.
     def to_torch_async_fake(input):
+        require_fake_mode("to_torch_async", input)
         with unset_fake_temporarily():
             promise = c_module.TensorPromise("memory")
             promise.set_exception("this future is dtorch::to_torch_async's placeholder made "

@@ -20,7 +20,10 @@ from ._on_import import register_on_import
 from .config import config
 
 _Tensor = torch.Tensor
-_is_compiling = torch.compiler.is_compiling  # Dynamo folds it to True while it traces
+# Both are folded to True by Dynamo while it traces. is_compiling is also True under torch.export's
+# non-strict tracing (no Dynamo: graph breaks do not exist there); is_dynamo_compiling is cheaper.
+_is_compiling = torch.compiler.is_compiling
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _new = object.__new__
 
 # The ops, for compiled code (Dynamo traces torch.ops, not the _C binding).
@@ -142,10 +145,10 @@ def _is_tracing_tensor(t) -> bool:
     return False
 
 
-def _is_wrapper_subclass_in_graph(t) -> bool:
-    """While Dynamo traces: whether t is a tensor subclass, which compiled graphs unwrap before our
-    ops run (they would see the tensors it wraps, not the subclass)."""
-    return type(t) is not _Tensor and not _is_tracing_tensor(t)
+def _defines_torch_dispatch(t) -> bool:
+    """A tensor subclass with its own __torch_dispatch__ (a wrapper such as TwoTensor; not an
+    nn.Parameter). Written so that Dynamo evaluates it on the traced tensor's type."""
+    return type(t) is not _Tensor and type(t).__torch_dispatch__ is not _Tensor.__torch_dispatch__
 
 
 def _fake_mode_active() -> bool:
@@ -176,7 +179,8 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
     def __init__(self, raw):
         """Wraps a raw future (a torch.classes.dtorch object, e.g. an op's result); the wrapper
         and the raw object share one state."""
-        if isinstance(raw, type(self)):
+        # (ScriptObject first: the opaque metaclass makes isinstance() slow for non-instances.)
+        if not isinstance(raw, torch.ScriptObject) and isinstance(raw, type(self)):
             self._h = raw._h
             return
         handle = _handle_from_script(self._HANDLE, raw)
@@ -214,6 +218,8 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
     @property
     def raw(self):
         """The TorchScript object of the same state (for TorchScript and torch.ops calls)."""
+        if _is_dynamo_compiling():
+            return _in_graph_eagerly.get_member(self, "raw")  # a graph break
         raw = getattr(self, "_raw", None)
         if raw is None:
             raw = self._raw = self._h.script()
@@ -249,6 +255,8 @@ class _Future(_Waitable):
     __slots__ = ()
 
     def kind(self) -> str:
+        if _is_dynamo_compiling():
+            return _in_graph_eagerly.call_member(self, "kind")  # a graph break
         return self._h.kind()
 
     def __repr__(self) -> str:
@@ -289,6 +297,8 @@ class VoidFutureCollect(_Waitable):
     _PRODUCED_BY = "torch.ops.dtorch.sync"
 
     def devices(self) -> list[torch.device]:
+        if _is_dynamo_compiling():
+            return _in_graph_eagerly.call_member(self, "devices")  # a graph break
         return list(self._h.devices())
 
     def __repr__(self) -> str:
@@ -319,7 +329,7 @@ class _PromiseBase:
     _FUTURE = _Waitable
 
     def __init__(self, kind: str = "memory"):
-        if _is_compiling():
+        if _is_dynamo_compiling():
             torch._dynamo.graph_break(msg=(
                 f"dtorch_ops.{type(self).__name__}() inside a compiled region runs eagerly (a "
                 "graph break): a graph cannot create a promise. To compile the whole step, "
@@ -362,13 +372,13 @@ class _PromiseBase:
 
     def get_future(self):
         """The consumer's end; a promise has exactly one future."""
-        if _is_compiling():
+        if _is_dynamo_compiling():
             _break_for_promise_method("get_future")
         return self._FUTURE._wrap(self._h.get_future())
 
     def set_exception(self, message: str) -> None:
         """Fails the future: its get()/wait()/await raise an error carrying message."""
-        if _is_compiling():
+        if _is_dynamo_compiling():
             _break_for_promise_method("set_exception")
         self._h.set_exception(str(message))
 
@@ -404,7 +414,7 @@ class TensorPromise(_PromiseBase):
 
     def set_value(self, t: torch.Tensor) -> None:
         """Fulfils the promise with t (no copy). A second set raises; the first value stays."""
-        if _is_compiling():
+        if _is_dynamo_compiling():
             _break_for_promise_method("set_value")
         _check_local_tensor(t, "TensorPromise.set_value")
         self._h.set_value(t)
@@ -420,7 +430,7 @@ class VoidPromise(_PromiseBase):
 
     def set_value(self) -> None:
         """Signals completion. A second set raises."""
-        if _is_compiling():
+        if _is_dynamo_compiling():
             _break_for_promise_method("set_value")
         self._h.set_value()
 
@@ -469,8 +479,10 @@ def to_torch_async(t: torch.Tensor) -> TensorFuture:
     done. On CPU the value is ready at once. Inside torch.compile: an ordered op of the graph."""
     if _is_compiling():
         _check_local_tensor(t, "to_torch_async")
-        if _is_wrapper_subclass_in_graph(t):
-            return _in_graph_eagerly.to_torch_async(t)  # a graph break, then the eager path
+        if _is_dynamo_compiling() and _defines_torch_dispatch(t):
+            # A graph would unwrap it before our op runs: break, and the eager path delivers the
+            # subclass itself.
+            return _in_graph_eagerly.to_torch_async(t)
         if _graph is not None:
             return _graph.to_torch_async(t)
         # A torch without opaque types: the raw op, a graph break, then it runs eagerly.
@@ -483,7 +495,7 @@ def to_torch_async(t: torch.Tensor) -> TensorFuture:
 def to_torch(t: torch.Tensor) -> torch.Tensor:
     """The blocking form: to_torch_async(t).get(). Inside torch.compile a graph break: a wait
     cannot be part of a graph."""
-    if _is_compiling():
+    if _is_dynamo_compiling():
         return _in_graph_eagerly.to_torch(t)  # a graph break, then the eager path
     return to_torch_async(t).get()
 
@@ -494,11 +506,17 @@ class _InGraphEagerly:
     graph break would trace the rest of our function in a resumed frame). Made when torch._dynamo
     is imported (no graph is traced before), as importing it with dtorch_ops would cost ~1 s."""
 
-    to_torch = to_torch_async = None
+    to_torch = to_torch_async = call_member = get_member = None
 
     @classmethod
     def define(cls, _dynamo_module) -> None:
         disable = torch.compiler.disable
+        waiting = ("waiting on a dtorch_ops future, or asking its state, inside a compiled "
+                   "region runs eagerly (a graph break). To compile the whole step, call get() / "
+                   "wait() / is_ready() / kind() / .raw outside the compiled function")
+        cls.call_member = staticmethod(disable(
+            lambda obj, name, *args: getattr(obj, name)(*args), reason=waiting))
+        cls.get_member = staticmethod(disable(getattr, reason=waiting))
         cls.to_torch = staticmethod(disable(to_torch, reason=(
             "dtorch_ops.to_torch(t) blocks until t's value is ready, which a compiled graph "
             "cannot do: it runs eagerly (a graph break). To compile the whole step, call "

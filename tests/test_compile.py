@@ -538,6 +538,101 @@ def test_a_wrapper_subclass_breaks_the_graph_and_is_delivered_whole():
     assert type(value) is TwoTensor and value is t
 
 
+@GRAPH_OPS
+@pytest.mark.parametrize("how", ["to_torch_async", "get_tensor"])
+def test_inductor_backward_does_not_overwrite_a_held_activation(how):
+    # The backward graph reused the buffer of an activation saved for it (it wrote cos(h) into
+    # the future of h): in a training forward the lowering holds a copy of its own.
+    torch._dynamo.reset()
+
+    def step(x, w, promise):
+        h = x @ w
+        if how == "to_torch_async":
+            return h.sin().sum(), dtorch_ops.to_torch_async(h.detach())
+        dtorch_ops.get_tensor(h.detach(), promise)
+        return h.sin().sum(), None
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    for _ in range(2):
+        x, w = torch.randn(8, 8), torch.randn(8, 8, requires_grad=True)
+        promise = dtorch_ops.TensorPromise()
+        promised = promise.get_future()
+        loss, future = compiled(x, w, promise)
+        value = (future or promised).wait(WAIT_MS)
+        loss.backward()
+        torch.testing.assert_close(value, (x @ w).detach())
+        torch.testing.assert_close(w.grad, x.t() @ (x @ w).detach().cos())
+
+
+@GRAPH_OPS
+def test_a_parameter_compiles_into_the_graph():
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(3, 2)
+
+    def step(x):
+        return lin(x).sum(), dtorch_ops.to_torch_async(lin.weight.detach()), \
+            dtorch_ops.to_torch_async(lin.weight)
+
+    loss, detached, parameter = torch.compile(step, fullgraph=True, backend="aot_eager")(
+        torch.ones(1, 3))
+    torch.testing.assert_close(detached.wait(WAIT_MS), lin.weight.detach())
+    torch.testing.assert_close(parameter.wait(WAIT_MS), lin.weight.detach())
+
+
+@GRAPH_OPS
+def test_members_of_a_future_passed_into_a_compiled_region_run_eagerly():
+    cases = [
+        (lambda x, f: (x + 1, f.kind()), dtorch_ops.to_torch_async, "memory"),
+        (lambda x, c: (x + 1, c.devices()), lambda t: dtorch_ops.sync_async("cpu"),
+         [torch.device("cpu")]),
+        (lambda x, f: (x + 1, f.valid()), dtorch_ops.to_torch_async, True),
+    ]
+    for fn, make, expected in cases:
+        future = make(torch.ones(2))
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            _compile(fn, fullgraph=True)(torch.ones(2), future)
+        out, got = _compile(fn, fullgraph=False)(torch.ones(2), future)
+        assert got == expected
+    future = dtorch_ops.to_torch_async(torch.ones(2))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="waiting on a dtorch_ops future"):
+        _compile(lambda x, f: (x + 1, f.kind()), fullgraph=True)(torch.ones(2), future)
+
+
+@GRAPH_OPS
+def test_raw_of_a_future_passed_into_a_compiled_region_is_that_futures():
+    compiled = _compile(lambda x, f: (x + 1, f.raw), fullgraph=True)
+    for value in (1.0, 2.0):
+        future = dtorch_ops.to_torch_async(torch.full((2,), value))
+        _, raw = compiled(torch.ones(2), future)
+        assert raw is future.raw
+        assert torch.equal(dtorch_ops.TensorFuture(raw).get(), torch.full((2,), value))
+
+
+class _WaitsWhileExported(torch.nn.Module):
+    def forward(self, x):
+        future = dtorch_ops.to_torch_async(x * 2)
+        return future.get()
+
+
+class _BlocksWhileExported(torch.nn.Module):
+    def forward(self, x):
+        return dtorch_ops.to_torch(x * 2)
+
+
+@GRAPH_OPS
+@pytest.mark.parametrize("module", [_WaitsWhileExported, _BlocksWhileExported])
+def test_non_strict_export_of_a_wait_says_why(module):
+    # No Dynamo there, so no graph break to take: a clear error, not a program returning None.
+    with pytest.raises(RuntimeError, match="created while tracing .torch.export. has no value"):
+        torch.export.export(module(), (torch.ones(2),), strict=False)
+
+
+@GRAPH_OPS
+def test_future_op_on_a_meta_tensor_says_why():
+    with pytest.raises(NotImplementedError, match="meta tensors have no value"):
+        torch.ops.dtorch.to_torch_async(torch.ones(2, device="meta"))
+
+
 def test_without_opaque_types_compiled_code_falls_back_to_a_graph_break(monkeypatch):
     # What torch versions without opaque types (or refusing our registrations) get: the raw ops,
     # a graph break, then they run eagerly.
