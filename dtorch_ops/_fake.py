@@ -179,8 +179,15 @@ def _register_inductor_lowerings(lowering_module) -> None:
     inputs are held as they are (a later in-graph mutation shows, as under aot_eager)."""
     from torch._inductor.virtualized import V
 
+    def refuse_cpp_wrapper(op):
+        if op in _OPS_RETURNING_PYTHON_OBJECTS and V.graph.cpp_wrapper:
+            raise RuntimeError(
+                f"dtorch: {op} returns a Python future, which inductor's cpp_wrapper mode cannot "
+                "hold: compile this graph without cpp_wrapper, or make the future outside it")
+
     def lower_holding_input(op):
         def lowering(input, *args):
+            refuse_cpp_wrapper(op)
             input.realize()
             if not V.graph.is_inference and input.get_name() not in V.graph.graph_inputs:
                 input = lowering_module.clone(input)
@@ -190,8 +197,18 @@ def _register_inductor_lowerings(lowering_module) -> None:
 
         return lowering
 
+    def lower_refusing_cpp_wrapper(op):
+        def lowering(*args):
+            refuse_cpp_wrapper(op)
+            return lowering_module.fallback_handler(op, add_to_fallback_set=False)(*args)
+
+        return lowering
+
     for op in _OPS_HOLDING_THEIR_INPUT:
         lowering_module.register_lowering(op, type_promotion_kind=None)(lower_holding_input(op))
+    for op in set(_OPS_RETURNING_PYTHON_OBJECTS) - set(_OPS_HOLDING_THEIR_INPUT):
+        lowering_module.register_lowering(op, type_promotion_kind=None)(
+            lower_refusing_cpp_wrapper(op))
 
 
 # Ops whose kernels keep a reference to their tensor input after they return (the futures they
@@ -199,6 +216,10 @@ def _register_inductor_lowerings(lowering_module) -> None:
 _OPS_HOLDING_THEIR_INPUT = tuple(
     getattr(torch.ops.dtorch, name).default
     for name in ("get_tensor", "to_torch_async") if hasattr(torch.ops.dtorch, name))
+# The Python-defined ops returning future objects (where this torch has them).
+_OPS_RETURNING_PYTHON_OBJECTS = tuple(
+    getattr(torch.ops.dtorch, name).default
+    for name in ("to_torch_async", "sync_async") if hasattr(torch.ops.dtorch, name))
 # Ops that take a tensor: a DTensor gets the error that says to pass a local tensor.
 _OPS_TAKING_A_TENSOR = tuple(op.name() for op in _OPS_HOLDING_THEIR_INPUT) + (
     "dtorch::get_tensor_async",)

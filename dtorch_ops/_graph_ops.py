@@ -15,8 +15,9 @@ so a compiled graph keeps them, runs them once per call and records the completi
 value's producer. ``dtorch_ops.to_torch_async`` / ``sync_async`` call them only while compiling:
 eager calls keep the direct binding (one C++ call, no dispatcher round trip through Python).
 
-Where this torch lacks the API (or refuses these registrations) ``define`` returns None and compiled
-code falls back to the raw ops: a graph break that runs them eagerly.
+Before torch 2.12 (Dynamo cannot return an opaque object from a graph), or where this torch refuses
+these registrations, ``define`` returns None and compiled code falls back to the raw ops: a graph
+break that runs them eagerly.
 """
 from __future__ import annotations
 
@@ -101,9 +102,13 @@ def _placeholder_class(cls):
                 "object, which serialized programs (torch.export.save) cannot hold; return no "
                 "future from a module you save>")
 
+    def __deepcopy__(self, memo):
+        return self  # a stand-in holding no value: copies of a traced program may share it
+
     members = {name: staticmethod(graph_break) for name in _WAIT_MEMBERS if hasattr(cls, name)}
     return type(f"_Traced{cls.__name__}", (cls,),
-                {"__slots__": (), "__module__": cls.__module__, "__repr__": __repr__, **members})
+                {"__slots__": (), "__module__": cls.__module__, "__repr__": __repr__,
+                 "__deepcopy__": __deepcopy__, **members})
 
 
 def require_fake_mode(op: str, input) -> None:

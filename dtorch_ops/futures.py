@@ -321,6 +321,17 @@ def _break_for_promise_method(name: str) -> None:
         "sync_async(), which return the future"))
 
 
+def _refuse_promise_in_graph(name: str) -> None:
+    what = (f"a graph cannot create a promise. To compile the whole step, create the promise "
+            "outside and pass it in (get_tensor(t, promise) compiles), or use "
+            "dtorch_ops.to_torch_async(t), which compiles and returns the future")
+    if _is_dynamo_compiling():
+        torch._dynamo.graph_break(
+            msg=f"dtorch_ops.{name}() inside a compiled region runs eagerly (a graph break): {what}")
+    else:  # torch.export's non-strict tracing: no graph break to take
+        raise RuntimeError(f"dtorch: dtorch_ops.{name}() while tracing (torch.export): {what}")
+
+
 class _PromiseBase:
     """set_value once, or set_exception; get_future once; pickling through serialize()."""
 
@@ -329,12 +340,8 @@ class _PromiseBase:
     _FUTURE = _Waitable
 
     def __init__(self, kind: str = "memory"):
-        if _is_dynamo_compiling():
-            torch._dynamo.graph_break(msg=(
-                f"dtorch_ops.{type(self).__name__}() inside a compiled region runs eagerly (a "
-                "graph break): a graph cannot create a promise. To compile the whole step, "
-                "create the promise outside and pass it in (get_tensor(t, promise) compiles), "
-                "or use dtorch_ops.to_torch_async(t), which compiles and returns the future"))
+        if _is_compiling():
+            _refuse_promise_in_graph(type(self).__name__)
         if isinstance(kind, torch.ScriptObject):  # wrap an existing raw promise
             handle = _handle_from_script(self._HANDLE, kind)
             if handle is None:

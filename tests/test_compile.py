@@ -627,6 +627,38 @@ def test_non_strict_export_of_a_wait_says_why(module):
         torch.export.export(module(), (torch.ones(2),), strict=False)
 
 
+class _MakesAPromiseWhileExported(torch.nn.Module):
+    def forward(self, x):
+        promise = dtorch_ops.TensorPromise()
+        dtorch_ops.get_tensor(x * 2, promise)
+        return x + 1
+
+
+def test_non_strict_export_of_a_promise_made_inside_says_why():
+    with pytest.raises(RuntimeError, match=r"TensorPromise\(\) while tracing .torch.export.: a "
+                                           "graph cannot create a promise"):
+        torch.export.export(_MakesAPromiseWhileExported(), (torch.ones(2),), strict=False)
+
+
+@GRAPH_OPS
+def test_unflattened_export_of_a_module_that_creates_futures_runs():
+    unflattened = torch.export.unflatten(
+        torch.export.export(_ReturnsAFuture(), (torch.randn(2, 4),)))
+    out, future = unflattened(torch.ones(2, 4))
+    torch.testing.assert_close(future.wait(WAIT_MS), out.detach())
+
+
+@GRAPH_OPS
+def test_inductor_cpp_wrapper_refuses_future_ops_by_name():
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    with inductor_config.patch(cpp_wrapper=True), pytest.raises(
+            Exception, match="cpp_wrapper mode cannot hold"):
+        torch.compile(lambda x: (x + 1, dtorch_ops.to_torch_async(x * 2)),
+                      fullgraph=True)(torch.ones(3))
+
+
 @GRAPH_OPS
 def test_future_op_on_a_meta_tensor_says_why():
     with pytest.raises(NotImplementedError, match="meta tensors have no value"):
