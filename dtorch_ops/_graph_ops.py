@@ -198,6 +198,16 @@ def define(tensor_future_cls, collect_cls, c_module) -> GraphOps | None:
     torch.library.register_fake(f"{NAMESPACE}::sync_async", sync_async_fake, lib=library)
     for name in ("to_torch_async", "sync_async"):
         register_ordered_effect(f"{NAMESPACE}::{name}")
+
+    def refuse_vmap(info, in_dims, *args):
+        # As the C++ op refuses eagerly (FuncTorchDynamicLayerFrontMode): compiled code under
+        # torch.func.vmap reaches this Python op instead.
+        raise RuntimeError(
+            "dtorch: to_torch_async cannot run inside a torch.func transform (vmap): its future "
+            "would hold the transform's internal tensor, which carries no batch dimension. Take "
+            "the value outside the transform")
+
+    torch.library.register_vmap(f"{NAMESPACE}::to_torch_async", refuse_vmap, lib=library)
     _library = library
     ops = torch.ops.dtorch
     return GraphOps(to_torch_async=ops.to_torch_async.default,

@@ -20,7 +20,10 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
         if register is None:
             return None
         if not self._pending:
-            sys.meta_path.remove(self)
+            try:
+                sys.meta_path.remove(self)
+            except ValueError:  # another thread's import removed it first
+                pass
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec

@@ -313,12 +313,18 @@ for _cls in (TensorFuture, VoidFuture, VoidFutureCollect):
 _graph = _graph_ops.define(TensorFuture, VoidFutureCollect, _C)
 
 
-def _break_for_promise_method(name: str) -> None:
-    torch._dynamo.graph_break(msg=(
-        f"a dtorch_ops promise's {name}() inside a compiled region runs eagerly (a graph break). "
-        "The forms that compile: dtorch_ops.get_tensor(t, promise) / sync_into(devices, "
-        "promise) with a promise created outside, or dtorch_ops.to_torch_async(t) / "
-        "sync_async(), which return the future"))
+def _refuse_promise_method(name: str) -> None:
+    what = ("The forms that compile: dtorch_ops.get_tensor(t, promise) / sync_into(devices, "
+            "promise) with a promise created outside, or dtorch_ops.to_torch_async(t) / "
+            "sync_async(), which return the future")
+    if _is_dynamo_compiling():
+        torch._dynamo.graph_break(msg=(
+            f"a dtorch_ops promise's {name}() inside a compiled region runs eagerly (a graph "
+            f"break). {what}"))
+    else:  # torch.export's non-strict tracing runs it for real, with fake values: refuse
+        raise RuntimeError(
+            f"dtorch: a dtorch_ops promise's {name}() while tracing (torch.export) would act on "
+            f"the real promise with traced values and not be part of the program. {what}")
 
 
 def _refuse_promise_in_graph(name: str) -> None:
@@ -379,14 +385,14 @@ class _PromiseBase:
 
     def get_future(self):
         """The consumer's end; a promise has exactly one future."""
-        if _is_dynamo_compiling():
-            _break_for_promise_method("get_future")
+        if _is_compiling():
+            _refuse_promise_method("get_future")
         return self._FUTURE._wrap(self._h.get_future())
 
     def set_exception(self, message: str) -> None:
         """Fails the future: its get()/wait()/await raise an error carrying message."""
-        if _is_dynamo_compiling():
-            _break_for_promise_method("set_exception")
+        if _is_compiling():
+            _refuse_promise_method("set_exception")
         self._h.set_exception(str(message))
 
     def kind(self) -> str:
@@ -421,8 +427,8 @@ class TensorPromise(_PromiseBase):
 
     def set_value(self, t: torch.Tensor) -> None:
         """Fulfils the promise with t (no copy). A second set raises; the first value stays."""
-        if _is_dynamo_compiling():
-            _break_for_promise_method("set_value")
+        if _is_compiling():
+            _refuse_promise_method("set_value")
         _check_local_tensor(t, "TensorPromise.set_value")
         self._h.set_value(t)
 
@@ -437,8 +443,8 @@ class VoidPromise(_PromiseBase):
 
     def set_value(self) -> None:
         """Signals completion. A second set raises."""
-        if _is_dynamo_compiling():
-            _break_for_promise_method("set_value")
+        if _is_compiling():
+            _refuse_promise_method("set_value")
         self._h.set_value()
 
 
@@ -486,10 +492,14 @@ def to_torch_async(t: torch.Tensor) -> TensorFuture:
     done. On CPU the value is ready at once. Inside torch.compile: an ordered op of the graph."""
     if _is_compiling():
         _check_local_tensor(t, "to_torch_async")
-        if _is_dynamo_compiling() and _defines_torch_dispatch(t):
+        if _defines_torch_dispatch(t) and not _is_tracing_tensor(t):
             # A graph would unwrap it before our op runs: break, and the eager path delivers the
             # subclass itself.
-            return _in_graph_eagerly.to_torch_async(t)
+            if _is_dynamo_compiling():
+                return _in_graph_eagerly.to_torch_async(t)
+            raise RuntimeError(
+                "dtorch: to_torch_async on a tensor subclass while tracing (torch.export): the "
+                "traced op would see the tensors it wraps, not the subclass; pass a plain tensor")
         if _graph is not None:
             return _graph.to_torch_async(t)
         # A torch without opaque types: the raw op, a graph break, then it runs eagerly.

@@ -640,6 +640,55 @@ def test_non_strict_export_of_a_promise_made_inside_says_why():
         torch.export.export(_MakesAPromiseWhileExported(), (torch.ones(2),), strict=False)
 
 
+class _UsesAPromiseWhileExported(torch.nn.Module):
+    def __init__(self, use):
+        super().__init__()
+        self.promise, self.use = dtorch_ops.TensorPromise(), use
+
+    def forward(self, x):
+        self.use(self.promise, x * 2)
+        return x + 1
+
+
+@pytest.mark.parametrize("name, use", [
+    ("set_value", lambda p, t: p.set_value(t)),
+    ("get_future", lambda p, t: p.get_future()),
+    ("set_exception", lambda p, t: p.set_exception("no")),
+])
+def test_non_strict_export_of_promise_methods_says_why(name, use):
+    # Export runs the module's Python for real, with fake values: acting on the real promise
+    # would fulfil it with a fake tensor (or use up its future) and not be part of the program.
+    module = _UsesAPromiseWhileExported(use)
+    with pytest.raises(RuntimeError, match=f"promise's {name}.. while tracing .torch.export."):
+        torch.export.export(module, (torch.ones(2),), strict=False)
+    future = module.promise.get_future()  # untouched by the refused export
+    module.promise.set_value(torch.ones(1))
+    assert torch.equal(future.wait(WAIT_MS), torch.ones(1))
+
+
+class _SubclassWhileExported(torch.nn.Module):
+    def forward(self, x):
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        return x + 1, dtorch_ops.to_torch_async(TwoTensor(x, x * 3))
+
+
+def test_non_strict_export_of_a_subclass_future_says_why():
+    with pytest.raises(RuntimeError, match="tensor subclass while tracing .torch.export."):
+        torch.export.export(_SubclassWhileExported(), (torch.ones(2),), strict=False)
+
+
+@GRAPH_OPS
+def test_compiled_vmap_refuses_like_eager():
+    def f(x):
+        return torch.func.vmap(lambda row: (row * 2, dtorch_ops.to_torch_async(row))[0])(x)
+
+    with pytest.raises(RuntimeError, match="cannot run inside a torch.func transform"):
+        f(torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="cannot run inside a torch.func transform"):
+        _compile(f, fullgraph=False)(torch.ones(2, 3))
+
+
 @GRAPH_OPS
 def test_unflattened_export_of_a_module_that_creates_futures_runs():
     unflattened = torch.export.unflatten(
