@@ -155,6 +155,15 @@ def _fake_mode_active() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
+def _tracing_here() -> bool:
+    """Whether this thread traces without Dynamo (torch.export's non-strict mode runs the module's
+    Python under a fake or proxy mode, which are per thread). is_compiling() alone will not do: it
+    is a process-wide flag, True in every thread while any thread compiles."""
+    modes = torch._C._TorchDispatchModeKey
+    return (torch._C._get_dispatch_mode(modes.FAKE) is not None
+            or torch._C._get_dispatch_mode(modes.PROXY) is not None)
+
+
 def _above_subclass(t, what: str) -> bool:
     """For a tensor that is not exactly torch.Tensor: checks it, and says whether our op must run
     above its __torch_dispatch__ (a wrapper subclass: the future then yields the subclass itself,
@@ -314,6 +323,8 @@ _graph = _graph_ops.define(TensorFuture, VoidFutureCollect, _C)
 
 
 def _refuse_promise_method(name: str) -> None:
+    """Called where is_compiling(): breaks the graph under Dynamo, refuses under export's
+    non-strict tracing, and returns where another thread is compiling."""
     what = ("The forms that compile: dtorch_ops.get_tensor(t, promise) / sync_into(devices, "
             "promise) with a promise created outside, or dtorch_ops.to_torch_async(t) / "
             "sync_async(), which return the future")
@@ -321,20 +332,21 @@ def _refuse_promise_method(name: str) -> None:
         torch._dynamo.graph_break(msg=(
             f"a dtorch_ops promise's {name}() inside a compiled region runs eagerly (a graph "
             f"break). {what}"))
-    else:  # torch.export's non-strict tracing runs it for real, with fake values: refuse
+    elif _tracing_here():  # torch.export's non-strict tracing runs it for real, with fake values
         raise RuntimeError(
             f"dtorch: a dtorch_ops promise's {name}() while tracing (torch.export) would act on "
             f"the real promise with traced values and not be part of the program. {what}")
 
 
 def _refuse_promise_in_graph(name: str) -> None:
+    """As _refuse_promise_method, for creating a promise."""
     what = (f"a graph cannot create a promise. To compile the whole step, create the promise "
             "outside and pass it in (get_tensor(t, promise) compiles), or use "
             "dtorch_ops.to_torch_async(t), which compiles and returns the future")
     if _is_dynamo_compiling():
         torch._dynamo.graph_break(
             msg=f"dtorch_ops.{name}() inside a compiled region runs eagerly (a graph break): {what}")
-    else:  # torch.export's non-strict tracing: no graph break to take
+    elif _tracing_here():  # torch.export's non-strict tracing: no graph break to take
         raise RuntimeError(f"dtorch: dtorch_ops.{name}() while tracing (torch.export): {what}")
 
 
@@ -492,18 +504,20 @@ def to_torch_async(t: torch.Tensor) -> TensorFuture:
     done. On CPU the value is ready at once. Inside torch.compile: an ordered op of the graph."""
     if _is_compiling():
         _check_local_tensor(t, "to_torch_async")
-        if _defines_torch_dispatch(t) and not _is_tracing_tensor(t):
-            # A graph would unwrap it before our op runs: break, and the eager path delivers the
-            # subclass itself.
-            if _is_dynamo_compiling():
-                return _in_graph_eagerly.to_torch_async(t)
+        if not (_defines_torch_dispatch(t) and not _is_tracing_tensor(t)):
+            if _graph is not None:
+                return _graph.to_torch_async(t)
+            # A torch without opaque types: the raw op, a graph break, then it runs eagerly.
+            return TensorFuture._from_op(_get_tensor_async_op(t))
+        # A subclass: a graph would unwrap it before our op runs. Break, and the eager path
+        # delivers the subclass itself.
+        if _is_dynamo_compiling():
+            return _in_graph_eagerly.to_torch_async(t)
+        if _tracing_here():
             raise RuntimeError(
                 "dtorch: to_torch_async on a tensor subclass while tracing (torch.export): the "
                 "traced op would see the tensors it wraps, not the subclass; pass a plain tensor")
-        if _graph is not None:
-            return _graph.to_torch_async(t)
-        # A torch without opaque types: the raw op, a graph break, then it runs eagerly.
-        return TensorFuture._from_op(_get_tensor_async_op(t))
+        # (Else another thread is compiling: this call is eager.)
     if type(t) is _Tensor:
         return TensorFuture._wrap(_C.get_tensor_async(t))
     return TensorFuture._wrap(_C.get_tensor_async(t, _above_subclass(t, "to_torch_async")))

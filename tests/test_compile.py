@@ -678,6 +678,29 @@ def test_non_strict_export_of_a_subclass_future_says_why():
         torch.export.export(_SubclassWhileExported(), (torch.ones(2),), strict=False)
 
 
+def test_eager_calls_while_another_thread_compiles(monkeypatch):
+    # torch.compiler.is_compiling() is a process-wide flag, True in every thread while any thread
+    # compiles: eager calls made meanwhile must behave as eager calls.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling()
+    promise = dtorch_ops.TensorPromise()
+    future = promise.get_future()
+    promise.set_value(torch.ones(2))
+    assert torch.equal(future.wait(WAIT_MS), torch.ones(2))
+    failed = dtorch_ops.VoidPromise()
+    failed_future = failed.get_future()
+    failed.set_exception("no")
+    with pytest.raises(RuntimeError, match="no"):
+        failed_future.wait(WAIT_MS)
+    assert torch.equal(dtorch_ops.to_torch_async(torch.ones(2) * 3).wait(WAIT_MS),
+                       torch.full((2,), 3.0))
+    t = TwoTensor(torch.ones(2), torch.ones(2))
+    assert dtorch_ops.to_torch_async(t).wait(WAIT_MS) is t
+    assert dtorch_ops.sync_async("cpu").wait(WAIT_MS) is None
+
+
 @GRAPH_OPS
 def test_compiled_vmap_refuses_like_eager():
     def f(x):
