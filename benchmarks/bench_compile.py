@@ -144,7 +144,9 @@ def main_future_in_graph(rounds=7, calls=300, backend="inductor"):
            f"{torch.get_num_threads()}; us per step incl. get(), median of {rounds} rounds)",
            medians, "us")
     ratio_line("in the graph vs graph-break fallback", medians["future in the graph"],
-               medians["graph-break fallback"], "target < 1x under inductor (0.63x measured on 2.13); aot_eager runs with_effects in Python")
+               medians["graph-break fallback"],
+               "target < 1x under inductor (0.63x measured on 2.13); aot_eager runs "
+               "with_effects in Python")
     ratio_line("in the graph vs no future", medians["future in the graph"],
                medians["no future"], "report")
 
