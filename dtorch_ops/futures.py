@@ -344,8 +344,8 @@ def _refuse_promise_in_graph(name: str) -> None:
             "outside and pass it in (get_tensor(t, promise) compiles), or use "
             "dtorch_ops.to_torch_async(t), which compiles and returns the future")
     if _is_dynamo_compiling():
-        torch._dynamo.graph_break(
-            msg=f"dtorch_ops.{name}() inside a compiled region runs eagerly (a graph break): {what}")
+        torch._dynamo.graph_break(msg=(
+            f"dtorch_ops.{name}() inside a compiled region runs eagerly (a graph break): {what}"))
     elif _tracing_here():  # torch.export's non-strict tracing: no graph break to take
         raise RuntimeError(f"dtorch: dtorch_ops.{name}() while tracing (torch.export): {what}")
 
