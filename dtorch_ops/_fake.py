@@ -211,15 +211,18 @@ def _register_inductor_lowerings(lowering_module) -> None:
             lower_refusing_cpp_wrapper(op))
 
 
+def _defined_ops(*names):
+    """The default overloads of those dtorch ops that exist (the Python-defined ones only where
+    this torch can return opaque objects from graphs)."""
+    return tuple(getattr(torch.ops.dtorch, name).default
+                 for name in names if hasattr(torch.ops.dtorch, name))
+
+
 # Ops whose kernels keep a reference to their tensor input after they return (the futures they
-# fulfil alias it); the Python-defined to_torch_async exists where this torch has opaque types.
-_OPS_HOLDING_THEIR_INPUT = tuple(
-    getattr(torch.ops.dtorch, name).default
-    for name in ("get_tensor", "to_torch_async") if hasattr(torch.ops.dtorch, name))
-# The Python-defined ops returning future objects (where this torch has them).
-_OPS_RETURNING_PYTHON_OBJECTS = tuple(
-    getattr(torch.ops.dtorch, name).default
-    for name in ("to_torch_async", "sync_async") if hasattr(torch.ops.dtorch, name))
+# fulfil alias it).
+_OPS_HOLDING_THEIR_INPUT = _defined_ops("get_tensor", "to_torch_async")
+# The Python-defined ops returning future objects.
+_OPS_RETURNING_PYTHON_OBJECTS = _defined_ops("to_torch_async", "sync_async")
 # Ops that take a tensor: a DTensor gets the error that says to pass a local tensor.
 _OPS_TAKING_A_TENSOR = tuple(op.name() for op in _OPS_HOLDING_THEIR_INPUT) + (
     "dtorch::get_tensor_async",)

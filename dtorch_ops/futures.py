@@ -228,7 +228,7 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
     def raw(self):
         """The TorchScript object of the same state (for TorchScript and torch.ops calls)."""
         if _is_dynamo_compiling():
-            return _in_graph_eagerly.get_member(self, "raw")  # a graph break
+            return _InGraphEagerly.get_member(self, "raw")  # a graph break
         raw = getattr(self, "_raw", None)
         if raw is None:
             raw = self._raw = self._h.script()
@@ -265,7 +265,7 @@ class _Future(_Waitable):
 
     def kind(self) -> str:
         if _is_dynamo_compiling():
-            return _in_graph_eagerly.call_member(self, "kind")  # a graph break
+            return _InGraphEagerly.call_member(self, "kind")  # a graph break
         return self._h.kind()
 
     def __repr__(self) -> str:
@@ -307,7 +307,7 @@ class VoidFutureCollect(_Waitable):
 
     def devices(self) -> list[torch.device]:
         if _is_dynamo_compiling():
-            return _in_graph_eagerly.call_member(self, "devices")  # a graph break
+            return _InGraphEagerly.call_member(self, "devices")  # a graph break
         return list(self._h.devices())
 
     def __repr__(self) -> str:
@@ -322,32 +322,34 @@ for _cls in (TensorFuture, VoidFuture, VoidFutureCollect):
 _graph = _graph_ops.define(TensorFuture, VoidFutureCollect, _C)
 
 
-def _refuse_promise_method(name: str) -> None:
-    """Called where is_compiling(): breaks the graph under Dynamo, refuses under export's
-    non-strict tracing, and returns where another thread is compiling."""
-    what = ("The forms that compile: dtorch_ops.get_tensor(t, promise) / sync_into(devices, "
-            "promise) with a promise created outside, or dtorch_ops.to_torch_async(t) / "
-            "sync_async(), which return the future")
+_PROMISE_FORMS = ("The forms that compile: dtorch_ops.get_tensor(t, promise) / sync_into(devices, "
+                  "promise) with a promise created outside, or dtorch_ops.to_torch_async(t) / "
+                  "sync_async(), which return the future")
+_PROMISE_CREATION = ("a graph cannot create a promise. To compile the whole step, create the "
+                     "promise outside and pass it in (get_tensor(t, promise) compiles), or use "
+                     "dtorch_ops.to_torch_async(t), which compiles and returns the future")
+
+
+def _refuse_promise_use(call: str, in_graph: str, in_export: str) -> None:
+    """Called where is_compiling(): breaks the graph under Dynamo (message: call + in_graph),
+    refuses under export's non-strict tracing, which runs it for real with fake values (call +
+    in_export), and returns where another thread is compiling."""
     if _is_dynamo_compiling():
-        torch._dynamo.graph_break(msg=(
-            f"a dtorch_ops promise's {name}() inside a compiled region runs eagerly (a graph "
-            f"break). {what}"))
-    elif _tracing_here():  # torch.export's non-strict tracing runs it for real, with fake values
-        raise RuntimeError(
-            f"dtorch: a dtorch_ops promise's {name}() while tracing (torch.export) would act on "
-            f"the real promise with traced values and not be part of the program. {what}")
+        torch._dynamo.graph_break(msg=f"{call} inside a compiled region runs eagerly {in_graph}")
+    elif _tracing_here():
+        raise RuntimeError(f"dtorch: {call} while tracing (torch.export){in_export}")
+
+
+def _refuse_promise_method(name: str) -> None:
+    _refuse_promise_use(
+        f"a dtorch_ops promise's {name}()", f"(a graph break). {_PROMISE_FORMS}",
+        " would act on the real promise with traced values and not be part of the program. "
+        + _PROMISE_FORMS)
 
 
 def _refuse_promise_in_graph(name: str) -> None:
-    """As _refuse_promise_method, for creating a promise."""
-    what = (f"a graph cannot create a promise. To compile the whole step, create the promise "
-            "outside and pass it in (get_tensor(t, promise) compiles), or use "
-            "dtorch_ops.to_torch_async(t), which compiles and returns the future")
-    if _is_dynamo_compiling():
-        torch._dynamo.graph_break(msg=(
-            f"dtorch_ops.{name}() inside a compiled region runs eagerly (a graph break): {what}"))
-    elif _tracing_here():  # torch.export's non-strict tracing: no graph break to take
-        raise RuntimeError(f"dtorch: dtorch_ops.{name}() while tracing (torch.export): {what}")
+    _refuse_promise_use(f"dtorch_ops.{name}()", f"(a graph break): {_PROMISE_CREATION}",
+                        f": {_PROMISE_CREATION}")
 
 
 class _PromiseBase:
@@ -512,7 +514,7 @@ def to_torch_async(t: torch.Tensor) -> TensorFuture:
         # A subclass: a graph would unwrap it before our op runs. Break, and the eager path
         # delivers the subclass itself.
         if _is_dynamo_compiling():
-            return _in_graph_eagerly.to_torch_async(t)
+            return _InGraphEagerly.to_torch_async(t)
         if _tracing_here():
             raise RuntimeError(
                 "dtorch: to_torch_async on a tensor subclass while tracing (torch.export): the "
@@ -527,7 +529,7 @@ def to_torch(t: torch.Tensor) -> torch.Tensor:
     """The blocking form: to_torch_async(t).get(). Inside torch.compile a graph break: a wait
     cannot be part of a graph."""
     if _is_dynamo_compiling():
-        return _in_graph_eagerly.to_torch(t)  # a graph break, then the eager path
+        return _InGraphEagerly.to_torch(t)  # a graph break, then the eager path
     return to_torch_async(t).get()
 
 
@@ -558,7 +560,6 @@ class _InGraphEagerly:
             "the subclass wraps. Pass a plain tensor to compile it into the graph")))
 
 
-_in_graph_eagerly = _InGraphEagerly
 register_on_import({"torch._dynamo": _InGraphEagerly.define})
 
 
