@@ -19,6 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_EXT_NAME = "dtorch_ops.libdtorch_ops"
 
 CXX_FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility-inlines-hidden"]
+# Boost (>= 1.78, headers only: Asio, Interprocess) from the system, or from DTORCH_BOOST_INCLUDE
+# (the GPU machine has none installed: scripts/device_check.sh unpacks Debian's package there).
+BOOST_INCLUDE = [os.environ["DTORCH_BOOST_INCLUDE"]] if os.environ.get("DTORCH_BOOST_INCLUDE") else []
 
 
 def _sources(*patterns):
@@ -57,6 +60,7 @@ setup(
             CppExtension(
                 LIB_EXT_NAME,
                 sources=_sources("core/*.cc", "ops/*.cpp", "*.cpp"),
+                include_dirs=BOOST_INCLUDE,
                 extra_compile_args={"cxx": CXX_FLAGS},
             )
         ),

@@ -171,9 +171,6 @@ TORCH_LIBRARY(dtorch, m) {
   // The blocking sync: returns when the work queued so far on the devices is done.
   m.def(torch::schema("sync_wait(Device[]? devices=None) -> ()",
                       c10::AliasAnalysisKind::CONSERVATIVE));
-  // Process exit only (dtorch_ops' atexit handler): pending device values are dropped, so that
-  // no library thread touches Python while the interpreter is torn down.
-  m.def(torch::schema("_at_exit() -> ()", c10::AliasAnalysisKind::CONSERVATIVE));
 }
 
 // Kernels. They are registered here, after TORCH_LIBRARY in the same translation unit, because
@@ -220,7 +217,6 @@ TORCH_LIBRARY_IMPL(dtorch, CompositeExplicitAutograd, m) {
   m.impl("sync", &dtorch::kernels::sync);
   m.impl("sync_into", &dtorch::kernels::sync_into);
   m.impl("sync_wait", &dtorch::kernels::sync_wait);
-  m.impl("_at_exit", &dtorch::StopDeviceCompletionsAtExit);
 }
 
 // The ops compute nothing to differentiate: nested tensors' autograd key (which, unlike the
@@ -248,7 +244,6 @@ TORCH_LIBRARY_IMPL(dtorch, FuncTorchDynamicLayerFrontMode, m) {
     m.impl("sync", torch::CppFunction::makeFallthrough());             \
     m.impl("sync_into", torch::CppFunction::makeFallthrough());        \
     m.impl("sync_wait", torch::CppFunction::makeFallthrough());        \
-    m.impl("_at_exit", torch::CppFunction::makeFallthrough());         \
   }
 DTORCH_AUTOCAST_FALLTHROUGH(AutocastCPU)
 DTORCH_AUTOCAST_FALLTHROUGH(AutocastCUDA)

@@ -36,10 +36,11 @@ _C = _load_native_library()
 
 def _at_exit():
     """Before the interpreter is torn down: threads that finish a wait from now on park instead
-    of re-taking the GIL (which aborts once finalization has begun), and library threads stop
-    completing (and so releasing tensors that Python objects own) while Python can serve them."""
+    of re-taking the GIL (which aborts once finalization has begun), and the library's threads
+    stop (within config.exit_timeout_s) while Python can still serve them: what is done is
+    completed, every value still pending fails with "dropped at interpreter exit"."""
     _C.close_exit_gate()
-    _torch.ops.dtorch._at_exit.default()
+    _C.stop_library_threads()
 
 
 _atexit.register(_at_exit)
@@ -63,6 +64,16 @@ from .futures import (  # noqa: E402
 )
 # After futures (which defines the Python ops that _fake's lowerings and DTensor rules cover).
 from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
+
+
+def library_threads() -> dict:
+    """The library's threads alive now, by role: ``{"detectors": n, "pool": m}``.
+
+    Detectors (named ``dtorch-detect`` in ``ps -L``, ``/proc``, gdb) watch device streams with
+    pending values: at most one per such stream, up to ``config.max_detector_threads``; they exit
+    after ``config.detector_idle_exit_s`` without work. The pool (``dtorch-pool``,
+    ``config.pool_threads``) runs long completion work and starts on its first use."""
+    return _C.library_threads()
 
 
 def library_path() -> str:
@@ -89,6 +100,7 @@ __all__ = [
     "get_tensor",
     "include_path",
     "library_path",
+    "library_threads",
     "promise_kind_for",
     "sync",
     "sync_async",

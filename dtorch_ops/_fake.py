@@ -148,11 +148,6 @@ def _sync_wait_fake(devices=None):
     return None
 
 
-@torch.library.register_fake("dtorch::_at_exit")
-def _at_exit_fake():
-    return None
-
-
 register_ordered_effect("dtorch::sync_wait")
 
 

@@ -77,15 +77,20 @@ def dev(request):
     device.synchronize()
 
 
-def poller_threads() -> int:
-    """The library's poller threads alive now (they are named "dtorch-poller")."""
+def threads_named(name: str) -> int:
+    """Threads of this process named `name` now (the library's: "dtorch-detect", "dtorch-pool")."""
     import os
 
     count = 0
     for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/comm") as f:
-                count += f.read().strip() == "dtorch-poller"
+                count += f.read().strip() == name
         except OSError:  # the thread exited meanwhile
             pass
     return count
+
+
+def detector_threads() -> int:
+    """The library's detector threads alive now, counted by name."""
+    return threads_named("dtorch-detect")

@@ -1,5 +1,5 @@
 """The event-gated device path: get_tensor records an event on the input's current stream,
-returns at once, and a library poller thread fulfils the promise when the event completes.
+returns at once, and a library detector thread fulfils the promise when the event completes.
 
 Runs on the simulated asynchronous device (tests/simdev, always) and on CUDA when present: the
 same tests, parametrized over the available devices."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dtorch_ops
-from conftest import WAIT_MS, Heartbeat, poller_threads
+from conftest import WAIT_MS, Heartbeat, detector_threads
 
 def _wait_until(predicate, timeout_s=10.0):
     deadline = time.monotonic() + timeout_s
@@ -91,8 +91,8 @@ def test_ten_thousand_pending_futures_use_a_bounded_number_of_threads(dev):
         assert not first.is_ready()
         xs = [torch.full((1,), float(i), device=dev.name) for i in range(10_000)]
         futures = [dtorch_ops.to_torch_async(x) for x in xs]
-        pollers = poller_threads()
-        assert 1 <= pollers <= 2, f"{pollers} poller threads for 10k pending futures on one stream"
+        detectors = detector_threads()
+        assert detectors == 1, f"{detectors} detector threads for 10k pending futures on one stream"
     values = torch.cat([f.wait(WAIT_MS).cpu() for f in futures])
     assert torch.equal(values, torch.arange(10_000, dtype=torch.float32))
     assert torch.equal(first.wait(WAIT_MS).cpu(), torch.full((1,), -1.0))
@@ -137,7 +137,7 @@ def test_device_errors_reach_the_waiter(dev):
         promise = dtorch_ops.TensorPromise()
         other = promise.get_future()
         dtorch_ops.get_tensor(y, promise)
-    with pytest.raises(RuntimeError, match="device error .* illegal memory access"):
+    with pytest.raises(RuntimeError, match="device error: .* illegal memory access"):
         fut.wait(WAIT_MS)
 
     async def awaited():
@@ -170,11 +170,11 @@ def test_a_used_promise_is_refused_at_once(dev):
         dtorch_ops.get_tensor(torch.ones(1, device=dev.name), promise)
 
 
-def test_poller_threads_exit_when_idle(dev):
+def test_detector_threads_exit_when_idle(dev):
     dtorch_ops.to_torch(torch.ones(1, device=dev.name))
-    assert poller_threads() >= 1
-    # CompletionPoller::kIdleExitMs is 2 s: every idle poller thread goes away after that.
-    assert _wait_until(lambda: poller_threads() == 0, timeout_s=8), "idle poller threads stayed"
+    assert detector_threads() >= 1
+    # config.detector_idle_exit_s is 2 s: every idle detector goes away after that.
+    assert _wait_until(lambda: detector_threads() == 0, timeout_s=8), "idle detectors stayed"
 
 
 def test_values_on_a_second_device(dev):

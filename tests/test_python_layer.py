@@ -375,7 +375,11 @@ def test_get_tensor_under_fake_tensor_mode_with_a_real_promise_raises():
 
 
 def test_a_device_get_tensor_without_a_thread_fails_its_waiter(dev):
-    with dev.using_stream(dev.new_stream()):  # a stream no poller thread serves yet
+    # An idle detector would take the new stream: wait until they have all exited.
+    deadline = time.monotonic() + 10
+    while dtorch_ops.library_threads()["detectors"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with dev.using_stream(dev.new_stream()):  # a stream no detector serves yet
         y = torch.ones(2, device=dev.name) * 2
         promise = dtorch_ops.TensorPromise()
         future = promise.get_future()

@@ -18,6 +18,9 @@ enum class FutureErrc {
   kNoState,                  // the value was already taken by Get(); the future is no longer valid
   kTimeout,                  // Wait(timeout) elapsed before the value arrived
   kProducerError,            // the producer called SetException(message)
+  kDeviceError,              // the device reported an error for the work that produces the value
+  kDroppedAtExit,            // the value was still pending when the library stopped at exit
+  kDroppedAtFork,            // the value was pending in the parent when this process was forked
 };
 
 // Short, stable name of a code ("broken promise", ...); used as the message prefix.
@@ -29,6 +32,9 @@ inline const char* FutureErrcName(FutureErrc code) {
     case FutureErrc::kNoState: return "no value: the future was already consumed";
     case FutureErrc::kTimeout: return "timed out";
     case FutureErrc::kProducerError: return "producer error";
+    case FutureErrc::kDeviceError: return "device error";
+    case FutureErrc::kDroppedAtExit: return "dropped at interpreter exit";
+    case FutureErrc::kDroppedAtFork: return "dropped at fork";
   }
   return "unknown future error";
 }

@@ -47,7 +47,10 @@ class PromiseBackend {
   virtual ~PromiseBackend() = default;
   // Throws FutureError(kPromiseAlreadySatisfied) on a second completion; the first one stays.
   virtual void SetValue(T value) = 0;
-  virtual void SetException(const std::string& message) = 0;
+  // Completes with an error of `code` (kProducerError for SetException's message). Throws
+  // FutureError(kPromiseAlreadySatisfied) on a second completion.
+  virtual void SetError(FutureErrc code, const std::string& detail) = 0;
+  void SetException(const std::string& message) { SetError(FutureErrc::kProducerError, message); }
   // The consumer's end; throws FutureError(kFutureAlreadyRetrieved) when called twice.
   virtual std::unique_ptr<FutureBackend<T>> GetFuture() = 0;
   virtual const char* Kind() const = 0;
@@ -82,8 +85,8 @@ class MemoryPromise final : public PromiseBackend<T> {
   }
 
   void SetValue(T value) override { state_->SetValue(std::move(value)); }
-  void SetException(const std::string& message) override {
-    state_->SetError(FutureErrc::kProducerError, message);
+  void SetError(FutureErrc code, const std::string& detail) override {
+    state_->SetError(code, detail);
   }
   std::unique_ptr<FutureBackend<T>> GetFuture() override {
     if (future_retrieved_.exchange(true)) {

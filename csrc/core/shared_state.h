@@ -13,6 +13,11 @@
 // it cannot break the producer.
 //
 // Thread-safety: every method may be called from any thread.
+//
+// Fork: a child process inherits the state but not the threads that waited on it. glibc's
+// pthread_cond_broadcast waits for the waiters it wakes to leave their wait, so completing a state
+// in the child would hang on a waiter that only existed in the parent: the condition variable of a
+// state that had waiters in an earlier fork generation is re-initialised before its next use.
 #pragma once
 
 #include <algorithm>
@@ -21,11 +26,13 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "fork_generation.h"
 #include "future_error.h"
 
 namespace dtorch::core {
@@ -46,14 +53,16 @@ class SharedState {
   // Completes with a value. Throws kPromiseAlreadySatisfied if already complete.
   void SetValue(T value) {
     std::vector<Callback> callbacks;
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
       ThrowIfCompleteLocked();
       value_.emplace(std::move(value));
       ready_ = true;
       callbacks.swap(callbacks_);
+      wake = HasWaitersLocked();
     }
-    cv_.notify_all();
+    if (wake) cv_.notify_all();
     RunCallbacks(callbacks);
   }
 
@@ -69,6 +78,7 @@ class SharedState {
   // promise on destruction, which must never throw.
   bool TrySetError(FutureErrc code, std::string detail) noexcept {
     std::vector<Callback> callbacks;
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (ready_) return false;
@@ -76,8 +86,9 @@ class SharedState {
       error_detail_ = std::move(detail);
       ready_ = true;
       callbacks.swap(callbacks_);
+      wake = HasWaitersLocked();
     }
-    cv_.notify_all();
+    if (wake) cv_.notify_all();
     RunCallbacks(callbacks);
     return true;
   }
@@ -87,6 +98,7 @@ class SharedState {
   T Take() {
     std::unique_lock<std::mutex> lock(mu_);
     ThrowIfRetrievedLocked();
+    WaitingLocked waiting(*this);
     cv_.wait(lock, [this] { return ready_; });
     ThrowIfRetrievedLocked();  // another waiter may have taken it while this one slept
     return TakeLocked();
@@ -99,6 +111,7 @@ class SharedState {
     ThrowIfRetrievedLocked();
     if (ready_ || timeout_ms <= 0) return ready_;  // a poll: no timed wait (a syscall) at all
     const auto timeout = std::chrono::milliseconds(std::min(timeout_ms, kMaxTimeoutMs));
+    WaitingLocked waiting(*this);
     return cv_.wait_for(lock, timeout, [this] { return ready_; });
   }
 
@@ -140,6 +153,36 @@ class SharedState {
     }
   }
 
+  // Counts a waiter on cv_ for its scope (construct and destroy with mu_ held).
+  class WaitingLocked {
+   public:
+    explicit WaitingLocked(const SharedState& state) : state_(state) {
+      state_.ForgetOtherGenerationsLocked();
+      ++state_.waiters_;
+    }
+    ~WaitingLocked() { --state_.waiters_; }
+
+   private:
+    const SharedState& state_;
+  };
+
+  // Waiters counted in an earlier fork generation exist only in the parent: cv_ is re-initialised
+  // (not destroyed: its waiters are gone, not woken) so that no notify waits for them.
+  void ForgetOtherGenerationsLocked() const {
+    const uint64_t generation = ForkGeneration();
+    if (cv_generation_ == generation) return;
+    if (waiters_ > 0) {
+      new (&cv_) std::condition_variable();
+      waiters_ = 0;
+    }
+    cv_generation_ = generation;
+  }
+
+  bool HasWaitersLocked() const {
+    ForgetOtherGenerationsLocked();
+    return waiters_ > 0;
+  }
+
   T TakeLocked() {
     retrieved_ = true;
     if (error_code_) throw FutureError(*error_code_, error_detail_);
@@ -159,7 +202,9 @@ class SharedState {
   }
 
   mutable std::mutex mu_;
-  mutable std::condition_variable cv_;
+  mutable std::condition_variable cv_;    // re-initialised after fork: ForgetOtherGenerationsLocked
+  mutable int waiters_ = 0;                // guarded by mu_: threads waiting on cv_
+  mutable uint64_t cv_generation_ = ForkGeneration();  // guarded by mu_: waiters_' generation
   bool ready_ = false;                     // guarded by mu_
   bool retrieved_ = false;                 // guarded by mu_
   std::optional<T> value_;                 // guarded by mu_

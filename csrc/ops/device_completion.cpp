@@ -1,56 +1,82 @@
 #include "device_completion.h"
 
+#include <array>
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 
-#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
-#include "../core/completion_poller.h"
+#include "../core/completion_detectors.h"
 
 namespace dtorch {
 namespace {
 
+std::array<std::atomic<BlockingEventWait>, c10::COMPILE_TIME_MAX_DEVICE_TYPES> blocking_waits{};
+
 class EventCompletion final : public core::PendingCompletion {
  public:
-  EventCompletion(c10::Event event, c10::Device device, DeviceDoneCallback on_done)
-      : event_(std::move(event)), device_(device), on_done_(std::move(on_done)) {}
+  EventCompletion(c10::Event event, c10::Device device, BlockingEventWait blocking_wait,
+                  DeviceDoneCallback on_done)
+      : event_(std::move(event)),
+        device_(device),
+        blocking_wait_(blocking_wait),
+        on_done_(std::move(on_done)) {}
 
   bool Poll() override {
-    // Make the event's device current on this (poller) thread first: otherwise querying and
-    // destroying the event here would create a context on device 0 of a process that may use
-    // another device only. A poller thread serves one stream (one device): set once per thread.
+    MakeDeviceCurrent();
+    return event_.query();
+  }
+
+  bool CanBlock() const override { return blocking_wait_ != nullptr; }
+
+  bool WaitFor(std::chrono::microseconds timeout) override {
+    MakeDeviceCurrent();
+    return blocking_wait_(event_, timeout);
+  }
+
+  void Complete(std::exception_ptr error) noexcept override {
+    if (!error) {
+      on_done_(std::nullopt);
+      return;
+    }
+    try {
+      std::rethrow_exception(error);
+    } catch (const core::FutureError& e) {  // dropped at exit or fork
+      on_done_(e);
+    } catch (const c10::Error& e) {
+      on_done_(DeviceError(e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      on_done_(DeviceError(e.what()));
+    } catch (...) {
+      on_done_(DeviceError("unknown error"));
+    }
+  }
+
+ private:
+  // Querying or destroying the event on a thread whose current device is another would create a
+  // context on that device (device 0 of a process that may use another only). A detector may
+  // serve streams of several devices: set when it changes.
+  void MakeDeviceCurrent() {
     thread_local std::optional<c10::Device> current_device;
     if (current_device != device_) {
       c10::impl::VirtualGuardImpl(device_.type()).setDevice(device_);
       current_device = device_;
     }
-    return event_.query();
   }
 
-  void Complete(std::exception_ptr error) noexcept override {
-    std::optional<std::string> message;
-    if (error) {
-      try {
-        std::rethrow_exception(error);
-      } catch (const c10::Error& e) {
-        message = "device error on " + device_.str() + ": " + e.what_without_backtrace();
-      } catch (const std::exception& e) {
-        message = "device error on " + device_.str() + ": " + e.what();
-      } catch (...) {
-        message = "unknown device error on " + device_.str();
-      }
-    }
-    on_done_(message);
+  core::FutureError DeviceError(const std::string& message) const {
+    return core::FutureError(core::FutureErrc::kDeviceError,
+                             device_.str() + " reported: " + message);
   }
 
- private:
   c10::Event event_;
-  c10::Device device_;
+  const c10::Device device_;
+  const BlockingEventWait blocking_wait_;
   DeviceDoneCallback on_done_;
 };
 
@@ -66,13 +92,17 @@ void AfterCurrentStreamWork(const c10::Device& device, DeviceDoneCallback on_don
   const c10::Stream stream = guard.getStream(device);
   c10::Event event(device.type());
   event.record(stream);
-  core::CompletionPoller::Instance().Submit(
-      StreamKey(stream),
-      std::make_unique<EventCompletion>(std::move(event), stream.device(), std::move(on_done)));
+  const auto blocking_wait = blocking_waits[static_cast<size_t>(device.type())].load();
+  core::CompletionDetectors::Instance().Submit(
+      StreamKey(stream), std::make_unique<EventCompletion>(std::move(event), stream.device(),
+                                                           blocking_wait, std::move(on_done)));
 }
 
-void StopDeviceCompletionsAtExit() {
-  core::CompletionPoller::Instance().Shutdown(/*timeout_ms=*/1000);
+void RegisterBlockingEventWait(c10::DeviceType type, BlockingEventWait wait) {
+  const auto index = static_cast<size_t>(type);
+  TORCH_CHECK(index < blocking_waits.size(), "dtorch: RegisterBlockingEventWait: device type ",
+              index, " is out of range");
+  blocking_waits[index] = wait;
 }
 
 }  // namespace dtorch

@@ -1,30 +1,44 @@
 // Completion after device work, for any backend with torch's device-generic events (CUDA, XPU,
 // PrivateUse1, ...): written against c10::Event / c10::impl::VirtualGuardImpl, so it needs no
-// CUDA headers and compiles without CUDA.
+// CUDA headers and compiles without CUDA. The events are watched by the library's completion
+// detectors (core/completion_detectors.h): one per active stream up to a cap, polling with
+// back-off unless the device type registered a blocking wait.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <optional>
-#include <string>
 
 #include <c10/core/Device.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/Event.h>
+
+#include "../core/future_error.h"
 
 namespace dtorch {
 
-// Called with std::nullopt when the work is done, or with a message naming the device
-// ("device error on cuda:0: ...") when the device reported an error.
-using DeviceDoneCallback = std::function<void(const std::optional<std::string>& error)>;
+// Called with std::nullopt when the work is done, or with the reason it never will be: a
+// FutureError of code kDeviceError (its detail names the device and the device's message),
+// kDroppedAtExit or kDroppedAtFork.
+using DeviceDoneCallback = std::function<void(const std::optional<core::FutureError>& error)>;
 
 // Records an event on `device`'s current stream (the calling thread's) and returns at once. Once
-// the work queued there so far has finished, `on_done` runs on a library poller thread (one per
-// active stream, not one per call). Other streams are not waited for. `on_done` must not throw;
-// what it captures lives until it has run.
+// the work queued there so far has finished, `on_done` runs on a library detector thread. Other
+// streams are not waited for. `on_done` must not throw, block or take the GIL; what it captures
+// lives until it has run (and is leaked if the value is dropped at exit or fork).
 void AfterCurrentStreamWork(const c10::Device& device, DeviceDoneCallback on_done);
 
-// At process exit: stops completing pending values (they are dropped, never fulfilled), waiting
-// briefly for completions in progress, so that no library thread touches Python or a device
-// runtime while they are torn down. dtorch_ops calls it from an atexit handler (op
-// dtorch::_at_exit); C++ programs get the same from std::atexit.
-void StopDeviceCompletionsAtExit();
+// A device type's blocking wait: blocks until `event` has completed or `timeout` has passed
+// (a backend that cannot bound its wait may block longer) and returns whether it completed;
+// throws, as c10::Event::query() does, when the device reported an error. It must sleep, not
+// spin: it is what lets a detector wait for a stream without polling. Called on a detector
+// thread whose current device is the event's.
+using BlockingEventWait = bool (*)(const c10::Event& event, std::chrono::microseconds timeout);
+
+// Opts a device type in to blocking waits (nullptr opts it out again). Values whose event is
+// recorded from then on are waited for that way; the others keep polling with back-off. Backends
+// register at load time (the simulated device of the tests does; CUDA's comes with
+// blocking-sync events).
+void RegisterBlockingEventWait(c10::DeviceType type, BlockingEventWait wait);
 
 }  // namespace dtorch

@@ -147,9 +147,14 @@ void Promise<T>::CompleteClaimed(T value) noexcept {
 
 template <typename T>
 void Promise<T>::FailClaimed(const std::string& message) noexcept {
+  FailClaimed(core::FutureErrc::kProducerError, message);
+}
+
+template <typename T>
+void Promise<T>::FailClaimed(core::FutureErrc code, const std::string& detail) noexcept {
   TORCH_INTERNAL_ASSERT(claimed_by_ != nullptr);
   try {
-    backend_->SetException(message);
+    backend_->SetError(code, detail);
   } catch (...) {
     // Cannot happen: the claim made this the only completion.
   }

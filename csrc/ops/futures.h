@@ -104,7 +104,10 @@ class Promise : public torch::CustomClassHolder {
   // one can be told which call fulfils the promise.
   void Claim(const char* producer);
   void CompleteClaimed(T value) noexcept;
+  // Fails with a producer error (`message`), or with an error of `code` (a device error, a value
+  // dropped at exit or fork).
   void FailClaimed(const std::string& message) noexcept;
+  void FailClaimed(core::FutureErrc code, const std::string& detail) noexcept;
   // The consumer's end; callable once.
   c10::intrusive_ptr<Future<T>> GetFuture();
   const std::string& Kind() const { return kind_; }

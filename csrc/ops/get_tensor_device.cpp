@@ -14,9 +14,9 @@ void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorP
   try {
     // The callback owns the tensor until the event fired: its memory outlives the device work.
     AfterCurrentStreamWork(input.device(),
-                           [input, promise](const std::optional<std::string>& error) {
+                           [input, promise](const std::optional<core::FutureError>& error) {
                              if (error) {
-                               promise->FailClaimed(*error + " (while waiting for the tensor)");
+                               promise->FailClaimed(error->code(), error->detail());
                              } else {
                                promise->CompleteClaimed(input);
                              }

@@ -35,9 +35,9 @@ void SyncCpu(const c10::intrusive_ptr<VoidPromise>& promise) { promise->SetValue
 // The device sync kernel: complete once the device's current stream reaches this point.
 void SyncDevice(const c10::Device& device, const c10::intrusive_ptr<VoidPromise>& promise) {
   promise->Claim("sync");
-  AfterCurrentStreamWork(device, [promise](const std::optional<std::string>& error) {
+  AfterCurrentStreamWork(device, [promise](const std::optional<core::FutureError>& error) {
     if (error) {
-      promise->FailClaimed(*error);
+      promise->FailClaimed(error->code(), error->detail());
     } else {
       promise->CompleteClaimed({});
     }

@@ -21,7 +21,9 @@
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include "../core/completion_poller.h"
+#include "../core/completion_detectors.h"
+#include "../core/completion_pool.h"
+#include "../core/library_threads.h"
 #include "../ops/futures.h"
 #include "../ops/get_tensor.h"
 #include "../ops/runtime_hooks.h"
@@ -298,8 +300,40 @@ PYBIND11_MODULE(_C, m) {
   m.def("after_fork_in_child", &AfterForkInChild);
   m.def("wait_wakeups", &WaitWakeups);
   m.def("fail_thread_starts_for_testing", [](int count) {
-    core::CompletionPoller::Instance().FailThreadStartsForTesting(count);
+    core::CompletionDetectors::Instance().FailThreadStartsForTesting(count);
   });
+  // With the GIL released: a detector finishing a completion may need it to drop a tensor.
+  m.def("stop_library_threads", &core::StopLibraryThreads,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("library_threads", [] {
+    const auto counts = core::CountLibraryThreads();
+    py::dict threads;
+    threads["detectors"] = counts.detectors;
+    threads["pool"] = counts.pool;
+    return threads;
+  });
+  m.def("detector_stats", [] {
+    const auto& detectors = core::CompletionDetectors::Instance();
+    py::dict stats;
+    stats["threads"] = detectors.ThreadCount();
+    stats["pending"] = detectors.PendingCount();
+    stats["active_streams"] = detectors.ActiveKeys();
+    stats["notified_wakeups"] = detectors.NotifiedWakeups();
+    return stats;
+  });
+
+  // Settings (dtorch_ops.config); std::invalid_argument and std::logic_error reach Python as
+  // ValueError and RuntimeError.
+  m.def("set_max_detector_threads",
+        [](int64_t n) { core::CompletionDetectors::Instance().SetMaxThreads(n); });
+  m.def("max_detector_threads", [] { return core::CompletionDetectors::Instance().MaxThreads(); });
+  m.def("set_detector_idle_exit_ms",
+        [](int64_t ms) { core::CompletionDetectors::Instance().SetIdleExitMs(ms); });
+  m.def("detector_idle_exit_ms", [] { return core::CompletionDetectors::Instance().IdleExitMs(); });
+  m.def("set_pool_threads", [](int64_t n) { core::CompletionPool::Instance().SetThreads(n); });
+  m.def("pool_threads", [] { return core::CompletionPool::Instance().Threads(); });
+  m.def("set_exit_timeout_ms", &core::SetExitTimeoutMs);
+  m.def("exit_timeout_ms", &core::ExitTimeoutMs);
 }
 
 }  // namespace dtorch::python

@@ -1,4 +1,5 @@
-// Tests of the torch-free core (csrc/core): promise/future semantics and the completion poller.
+// Tests of the torch-free core (csrc/core): promise/future semantics, the completion detectors and
+// pool, and the library's threads at exit and fork.
 // Built and run by tests/test_core_cpp.py; prints "core tests: N passed" or fails with a message.
 #include <algorithm>
 #include <atomic>
@@ -10,9 +11,18 @@
 #include <thread>
 #include <vector>
 
+#include <dirent.h>
 #include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
-#include "core/completion_poller.h"
+#include <condition_variable>
+#include <fstream>
+
+#include "core/completion_detectors.h"
+#include "core/completion_pool.h"
+#include "core/fork_generation.h"
+#include "core/library_threads.h"
 #include "core/promise_future.h"
 #include "core/ready_notifier.h"
 
@@ -141,72 +151,322 @@ static void TestCallbacks() {
   ++g_passed;
 }
 
-// A completion that is done once the shared "device" counter reaches its ticket.
+// A completion that is done once the shared "device" counter reaches its ticket. With `blocking`,
+// it can wait for that (on the device's condition variable) instead of being polled.
+struct FakeDevice {
+  std::mutex mu;
+  std::condition_variable cv;
+  int counter = 0;  // guarded by mu
+  std::atomic<int> polls{0};
+  std::atomic<int> blocking_waits{0};
+  void Advance(int to) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      counter = to;
+    }
+    cv.notify_all();
+  }
+  bool Reached(int ticket) {
+    std::lock_guard<std::mutex> lock(mu);
+    return counter >= ticket;
+  }
+};
+
+struct Outcomes {
+  std::mutex mu;
+  std::vector<int> completed;                        // guarded by mu: tickets, in completion order
+  std::vector<std::pair<int, FutureErrc>> failures;  // guarded by mu
+  std::atomic<int> device_errors{0};
+};
+
 class TicketCompletion final : public PendingCompletion {
  public:
-  TicketCompletion(const std::atomic<int>* device, int ticket, bool fail,
-                   std::vector<int>* completed, std::mutex* mu, std::atomic<int>* errors)
-      : device_(device), ticket_(ticket), fail_(fail), completed_(completed), mu_(mu),
-        errors_(errors) {}
+  TicketCompletion(FakeDevice* device, int ticket, Outcomes* out, bool fail = false,
+                   bool blocking = false)
+      : device_(device), ticket_(ticket), out_(out), fail_(fail), blocking_(blocking) {}
   bool Poll() override {
-    if (device_->load() < ticket_) return false;
-    if (fail_) throw std::runtime_error("device fault");
-    return true;
+    ++device_->polls;
+    return Check(device_->Reached(ticket_));
+  }
+  bool CanBlock() const override { return blocking_; }
+  bool WaitFor(std::chrono::microseconds timeout) override {
+    ++device_->blocking_waits;
+    std::unique_lock<std::mutex> lock(device_->mu);
+    const bool done =
+        device_->cv.wait_for(lock, timeout, [&] { return device_->counter >= ticket_; });
+    lock.unlock();
+    return Check(done);
   }
   void Complete(std::exception_ptr error) noexcept override {
-    if (error) ++*errors_;
-    std::lock_guard<std::mutex> lock(*mu_);
-    completed_->push_back(ticket_);
+    std::lock_guard<std::mutex> lock(out_->mu);
+    if (!error) {
+      out_->completed.push_back(ticket_);
+      return;
+    }
+    try {
+      std::rethrow_exception(error);
+    } catch (const FutureError& e) {
+      out_->failures.emplace_back(ticket_, e.code());
+    } catch (...) {
+      ++out_->device_errors;
+      out_->completed.push_back(ticket_);
+    }
   }
 
  private:
-  const std::atomic<int>* device_;
+  bool Check(bool done) const {
+    if (done && fail_) throw std::runtime_error("device fault");
+    return done;
+  }
+  FakeDevice* device_;
   int ticket_;
+  Outcomes* out_;
   bool fail_;
-  std::vector<int>* completed_;
-  std::mutex* mu_;
-  std::atomic<int>* errors_;
+  bool blocking_;
 };
 
-static void TestPollerBoundedThreadsAndOrder() {
-  auto& poller = CompletionPoller::Instance();
-  constexpr int kStreams = 4;
-  constexpr int kPerStream = 2500;  // 10k pending in all
-  std::atomic<int> device{0};
-  std::atomic<int> errors{0};
-  std::mutex mu;
-  std::vector<std::vector<int>> completed(kStreams);
-  for (int i = 0; i < kPerStream; ++i) {
-    for (int s = 0; s < kStreams; ++s) {
-      poller.Submit("stream" + std::to_string(s),
-                    std::make_unique<TicketCompletion>(&device, i, /*fail=*/i == 7 && s == 0,
-                                                       &completed[s], &mu, &errors));
+template <typename Pred>
+static bool WaitUntil(Pred pred, std::chrono::milliseconds timeout = 10s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!pred() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  return pred();
+}
+
+static int ThreadsNamed(const std::string& name) {
+  int count = 0;
+  DIR* dir = ::opendir("/proc/self/task");
+  CHECK(dir != nullptr);
+  while (dirent* entry = ::readdir(dir)) {
+    if (entry->d_name[0] == '.') continue;
+    std::ifstream comm(std::string("/proc/self/task/") + entry->d_name + "/comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++count;
+  }
+  ::closedir(dir);
+  return count;
+}
+
+static void TestDetectorsOnePerKeyInOrder() {
+  auto& detectors = CompletionDetectors::Instance();
+  detectors.SetIdleExitMs(200);
+  constexpr int kKeys = 4;
+  constexpr int kPerKey = 2500;  // 10k pending in all
+  FakeDevice device;
+  std::vector<Outcomes> outcomes(kKeys);
+  for (int i = 0; i < kPerKey; ++i) {
+    for (int k = 0; k < kKeys; ++k) {
+      detectors.Submit("stream" + std::to_string(k),
+                       std::make_unique<TicketCompletion>(&device, i + 1, &outcomes[k],
+                                                          /*fail=*/i == 7 && k == 0));
     }
   }
-  CHECK(poller.PendingCount() >= static_cast<size_t>(kStreams * kPerStream - kStreams));
-  CHECK(poller.ThreadCount() == kStreams);  // one thread per stream, not per pending value
-  device = kPerStream;  // the "device" finishes everything
-  auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (poller.PendingCount() > 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(1ms);
+  CHECK(detectors.ThreadCount() == kKeys);  // one per key, not per pending value
+  CHECK(ThreadsNamed(CompletionDetectors::kThreadName) == kKeys);
+  device.Advance(kPerKey);  // the "device" finishes everything
+  CHECK(WaitUntil([&] { return detectors.PendingCount() == 0; }));
+  CHECK(outcomes[0].device_errors == 1);  // the device error reached its completion
+  for (int k = 0; k < kKeys; ++k) {
+    std::lock_guard<std::mutex> lock(outcomes[k].mu);
+    CHECK(outcomes[k].completed.size() == kPerKey);
+    for (int i = 0; i < kPerKey; ++i) CHECK(outcomes[k].completed[i] == i + 1);  // key order
   }
-  CHECK(poller.PendingCount() == 0);
-  CHECK(errors == 1);  // the device error reached its completion
-  for (int s = 0; s < kStreams; ++s) {
-    std::lock_guard<std::mutex> lock(mu);
-    CHECK(completed[s].size() == kPerStream);
-    for (int i = 0; i < kPerStream; ++i) CHECK(completed[s][i] == i);  // stream order
-  }
-  // Idle threads go away.
-  deadline = std::chrono::steady_clock::now() +
-             std::chrono::milliseconds(CompletionPoller::kIdleExitMs) + 5s;
-  while (poller.ThreadCount() > 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(10ms);
-  }
-  CHECK(poller.ThreadCount() == 0);
+  CHECK(detectors.ActiveKeys() == 0);
+  // Idle detectors exit.
+  CHECK(WaitUntil([&] { return detectors.ThreadCount() == 0; }));
+  CHECK(WaitUntil([&] { return ThreadsNamed(CompletionDetectors::kThreadName) == 0; }));
   ++g_passed;
 }
 
+static void TestDetectorsCapSharesThreads() {
+  auto& detectors = CompletionDetectors::Instance();
+  detectors.SetMaxThreads(3);
+  constexpr int kKeys = 20;
+  FakeDevice device;
+  std::vector<Outcomes> outcomes(kKeys);
+  for (int i = 0; i < 50; ++i) {
+    for (int k = 0; k < kKeys; ++k) {
+      detectors.Submit("shared" + std::to_string(k),
+                       std::make_unique<TicketCompletion>(&device, i + 1, &outcomes[k]));
+    }
+  }
+  CHECK(detectors.ThreadCount() == 3 && detectors.ActiveKeys() == kKeys);
+  for (int step = 1; step <= 50; step += 7) device.Advance(step);  // in several steps
+  device.Advance(50);
+  CHECK(WaitUntil([&] { return detectors.PendingCount() == 0; }));
+  CHECK(detectors.ThreadCount() <= 3);
+  for (auto& out : outcomes) {
+    std::lock_guard<std::mutex> lock(out.mu);
+    CHECK(out.completed.size() == 50);
+    for (int i = 0; i < 50; ++i) CHECK(out.completed[i] == i + 1);
+  }
+  detectors.SetMaxThreads(CompletionDetectors::kDefaultMaxThreads);
+  CHECK(WaitUntil([&] { return detectors.ThreadCount() == 0; }));
+  ++g_passed;
+}
+
+static void TestSubmissionWakesOnlyItsDetector() {
+  auto& detectors = CompletionDetectors::Instance();
+  detectors.SetIdleExitMs(60'000);  // four idle detectors stay
+  FakeDevice device;
+  Outcomes out;
+  for (int k = 0; k < 4; ++k) {
+    detectors.Submit("idle" + std::to_string(k), std::make_unique<TicketCompletion>(&device, 0, &out));
+  }
+  CHECK(WaitUntil([&] { return detectors.ActiveKeys() == 0; }));
+  CHECK(detectors.ThreadCount() == 4);
+  std::this_thread::sleep_for(20ms);  // all four are in their idle wait
+  const uint64_t before = detectors.NotifiedWakeups();
+  detectors.Submit("busy", std::make_unique<TicketCompletion>(&device, 1, &out, false, true));
+  CHECK(WaitUntil([&] { return device.blocking_waits > 0; }));
+  CHECK(detectors.NotifiedWakeups() == before + 1);  // one idle detector took the key
+  for (int i = 0; i < 100; ++i) {  // an active key: nobody is woken
+    detectors.Submit("busy", std::make_unique<TicketCompletion>(&device, 1, &out, false, true));
+  }
+  std::this_thread::sleep_for(20ms);
+  CHECK(detectors.NotifiedWakeups() == before + 1);
+  CHECK(detectors.ThreadCount() == 4);
+  // The detector sleeps in the blocking wait (a slice at a time), it does not poll.
+  const int polls = device.polls;
+  std::this_thread::sleep_for(200ms);
+  CHECK(device.polls - polls <= 2);
+  CHECK(device.blocking_waits >= 1 && device.blocking_waits <= 10);
+  device.Advance(1);
+  CHECK(WaitUntil([&] { return detectors.PendingCount() == 0; }));
+  {
+    std::lock_guard<std::mutex> lock(out.mu);
+    CHECK(out.completed.size() == 105 && out.failures.empty());
+  }
+  detectors.SetIdleExitMs(CompletionDetectors::kDefaultIdleExitMs);
+  ++g_passed;
+}
+
+static void TestFailedThreadStartQueuesNothing() {
+  auto& detectors = CompletionDetectors::Instance();
+  CHECK(WaitUntil([&] { return detectors.ThreadCount() == 0; }));
+  FakeDevice device;
+  Outcomes out;
+  detectors.FailThreadStartsForTesting(1);
+  bool threw = false;
+  try {
+    detectors.Submit("nothread", std::make_unique<TicketCompletion>(&device, 0, &out));
+  } catch (const std::system_error&) {
+    threw = true;
+  }
+  CHECK(threw && detectors.PendingCount() == 0 && detectors.ActiveKeys() == 0);
+  detectors.Submit("nothread", std::make_unique<TicketCompletion>(&device, 0, &out));
+  CHECK(WaitUntil([&] { return detectors.PendingCount() == 0; }));
+  ++g_passed;
+}
+
+// A forked child: the parent's pending values fail there (also one a parent thread was blocked on),
+// and the detectors work there for new values.
+static void TestFork() {
+  auto& detectors = CompletionDetectors::Instance();
+  FakeDevice device;
+  MemoryPromise<int> promise;
+  auto future = promise.GetFuture();
+  struct PromiseCompletion final : PendingCompletion {
+    PromiseCompletion(FakeDevice* d, MemoryPromise<int>* p) : device(d), promise(p) {}
+    bool Poll() override { return device->Reached(1); }
+    void Complete(std::exception_ptr error) noexcept override {
+      if (!error) return promise->SetValue(1);
+      try {
+        std::rethrow_exception(error);
+      } catch (const FutureError& e) {
+        promise->SetError(e.code(), e.detail());
+      }
+    }
+    FakeDevice* device;
+    MemoryPromise<int>* promise;
+  };
+  detectors.Submit("parent", std::make_unique<PromiseCompletion>(&device, &promise));
+  std::thread waiter([&] { CHECK(future->WaitFor(10'000)); });  // blocked across the fork
+  std::this_thread::sleep_for(50ms);
+  const uint64_t generation = ForkGeneration();
+  const pid_t pid = ::fork();
+  CHECK(pid >= 0);
+  if (pid == 0) {
+    // The child: no detector, the parent's value failed, a new value completes.
+    int failures = 0;
+    failures += ForkGeneration() != generation + 1;
+    failures += detectors.ThreadCount() != 0 || detectors.PendingCount() != 0;
+    try {
+      future->Get();
+      ++failures;
+    } catch (const FutureError& e) {
+      failures += e.code() != FutureErrc::kDroppedAtFork;
+    }
+    FakeDevice child_device;
+    Outcomes out;
+    detectors.Submit("child", std::make_unique<TicketCompletion>(&child_device, 1, &out));
+    failures += detectors.ThreadCount() != 1;
+    child_device.Advance(1);
+    failures += !WaitUntil([&] { return detectors.PendingCount() == 0; });
+    std::_Exit(failures == 0 ? 0 : 10 + failures);
+  }
+  int status = 0;
+  CHECK(::waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  // The parent is unaffected.
+  CHECK(ForkGeneration() == generation && detectors.PendingCount() == 1);
+  device.Advance(1);
+  waiter.join();
+  CHECK(future->Get() == 1);
+  ++g_passed;
+}
+
+static void TestPool() {
+  auto& pool = CompletionPool::Instance();
+  CHECK(pool.ThreadCount() == 0 && ThreadsNamed(CompletionPool::kThreadName) == 0);  // lazy
+  pool.SetThreads(2);
+  std::atomic<int> ran{0};
+  for (int i = 0; i < 100; ++i) pool.Post([&] { ++ran; });
+  CHECK(WaitUntil([&] { return ran == 100; }));
+  CHECK(pool.ThreadCount() == 2 && ThreadsNamed(CompletionPool::kThreadName) == 2);
+  bool refused = false;
+  try {
+    pool.SetThreads(3);
+  } catch (const std::logic_error&) {
+    refused = true;
+  }
+  CHECK(refused && pool.Threads() == 2);
+  // A strand runs its work one at a time, in posting order, from several posting threads.
+  auto strand = pool.MakeStrand();
+  std::mutex mu;
+  std::vector<int> order[2];
+  std::atomic<int> inside{0};
+  std::atomic<bool> overlapped{false};
+  std::vector<std::thread> posters;
+  for (int t = 0; t < 2; ++t) {
+    posters.emplace_back([&, t] {
+      for (int i = 0; i < 500; ++i) {
+        strand.Post([&, t, i] {
+          if (inside.fetch_add(1) != 0) overlapped = true;
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            order[t].push_back(i);
+          }
+          --inside;
+        });
+      }
+    });
+  }
+  for (auto& p : posters) p.join();
+  CHECK(WaitUntil([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return order[0].size() == 500 && order[1].size() == 500;
+  }));
+  CHECK(!overlapped);
+  for (int t = 0; t < 2; ++t) {
+    for (int i = 0; i < 500; ++i) CHECK(order[t][i] == i);
+  }
+  pool.Post([] { throw std::runtime_error("ignored"); });  // does not take a pool thread down
+  std::atomic<bool> after{false};
+  pool.Post([&] { after = true; });
+  CHECK(WaitUntil([&] { return after.load(); }));
+  CHECK(pool.ThreadCount() == 2);
+  ++g_passed;
+}
 static bool Readable(int fd, int timeout_ms) {
   pollfd p{fd, POLLIN, 0};
   return ::poll(&p, 1, timeout_ms) == 1 && (p.revents & POLLIN);
@@ -244,27 +504,52 @@ static void TestReadyNotifier() {
   ++g_passed;
 }
 
-// Last: the poller cannot be used afterwards.
-static void TestPollerShutdown() {
-  auto& poller = CompletionPoller::Instance();
-  std::atomic<int> device{0};  // never advances: these never complete
-  std::atomic<int> errors{0};
-  std::mutex mu;
-  std::vector<int> completed;
-  for (int i = 0; i < 100; ++i) {
-    poller.Submit("stuck", std::make_unique<TicketCompletion>(&device, 1, false, &completed, &mu,
-                                                             &errors));
+// Last: the library's threads cannot be used afterwards.
+static void TestStopAtExit() {
+  auto& detectors = CompletionDetectors::Instance();
+  auto& pool = CompletionPool::Instance();
+  FakeDevice device;
+  Outcomes out;
+  for (int i = 0; i < 100; ++i) {  // never finish: dropped
+    detectors.Submit("stuck", std::make_unique<TicketCompletion>(&device, 1, &out));
   }
-  CHECK(poller.PendingCount() == 100);
+  for (int i = 0; i < 3; ++i) {  // a blocking key whose work is done: completed, not dropped
+    detectors.Submit("done", std::make_unique<TicketCompletion>(&device, 0, &out, false, true));
+  }
+  std::atomic<bool> pool_work_done{false};
+  pool.Post([&] {
+    std::this_thread::sleep_for(200ms);  // posted work (a hand-over to another process) finishes
+    pool_work_done = true;
+  });
+  CHECK(WaitUntil([&] { return detectors.PendingCount() == 100; }));
+  SetExitTimeoutMs(1000);
   const auto start = std::chrono::steady_clock::now();
-  poller.Shutdown(5000);
-  CHECK(std::chrono::steady_clock::now() - start < 3s);  // the stuck head was abandoned
-  CHECK(poller.PendingCount() == 0 && completed.empty());
-  poller.Submit("late", std::make_unique<TicketCompletion>(&device, 0, false, &completed, &mu,
-                                                          &errors));
-  std::this_thread::sleep_for(50ms);
-  CHECK(completed.empty());  // after shutdown nothing completes
-  poller.Shutdown(1000);     // idempotent
+  StopLibraryThreads();
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(took < 1500ms);
+  CHECK(pool_work_done);
+  CHECK(detectors.PendingCount() == 0 && detectors.ThreadCount() == 0);
+  {
+    std::lock_guard<std::mutex> lock(out.mu);
+    CHECK(out.completed.size() == 3);
+    CHECK(out.failures.size() == 100);
+    for (const auto& failure : out.failures) CHECK(failure.second == FutureErrc::kDroppedAtExit);
+  }
+  // Later submissions fail at once; the pool refuses work.
+  detectors.Submit("late", std::make_unique<TicketCompletion>(&device, 0, &out));
+  {
+    std::lock_guard<std::mutex> lock(out.mu);
+    CHECK(out.failures.size() == 101 && out.failures.back().second == FutureErrc::kDroppedAtExit);
+  }
+  bool refused = false;
+  try {
+    pool.Post([] {});
+  } catch (const std::runtime_error&) {
+    refused = true;
+  }
+  CHECK(refused);
+  CHECK(WaitUntil([&] { return pool.ThreadCount() == 0; }));
+  StopLibraryThreads();  // idempotent
   ++g_passed;
 }
 
@@ -275,8 +560,13 @@ int main() {
   TestExceptionAndBrokenPromise();
   TestBlockedWaiterWokenFromAnotherThread();
   TestCallbacks();
-  TestPollerBoundedThreadsAndOrder();
-  TestPollerShutdown();
+  TestDetectorsOnePerKeyInOrder();
+  TestDetectorsCapSharesThreads();
+  TestSubmissionWakesOnlyItsDetector();
+  TestFailedThreadStartQueuesNothing();
+  TestFork();
+  TestPool();
+  TestStopAtExit();
   std::printf("core tests: %d passed\n", g_passed);
   return 0;
 }

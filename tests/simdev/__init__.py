@@ -22,9 +22,17 @@ def load() -> None:
 
     build_dir = os.path.join(HERE, "build")
     os.makedirs(build_dir, exist_ok=True)
+    import dtorch_ops  # simdev registers a blocking wait with the library, which must be loaded
+
+    library_dir = os.path.dirname(dtorch_ops.library_path())
     load_extension(name="simdev", sources=[os.path.join(HERE, "simdev.cpp")],
                    build_directory=build_dir, is_python_module=False,
-                   extra_cflags=["-O1"], verbose=False)
+                   extra_cflags=["-O1"],
+                   extra_include_paths=[os.path.join(os.path.dirname(os.path.dirname(HERE)),
+                                                     "csrc")],
+                   extra_ldflags=[f"-L{library_dir}", "-l:libdtorch_ops.so",
+                                  f"-Wl,-rpath,{library_dir}"],
+                   verbose=False)
     torch.utils.rename_privateuse1_backend("simdev")
     torch._register_device_module("simdev", _device_module())
     # Runs before dtorch_ops' own handler (atexit is last in, first out): the device's work ends,

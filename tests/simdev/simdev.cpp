@@ -7,7 +7,10 @@
 // reaches it. Kernels: empty, copies to/from CPU, fill_, add, mul, views, and ops in the simdev
 // namespace: sleep(ms) (a kernel that takes ms milliseconds), fail(message) (a kernel that faults,
 // like a device-side error: the stream's later events report it), streams, synchronize, and the
-// live allocation count.
+// live allocation count. Its events can be waited for without spinning: it registers a blocking
+// wait with dtorch (dtorch::RegisterBlockingEventWait), which the tests can switch off to exercise
+// the polling path. For the benchmarks: a kernel that stamps the time it ran, and an anchor wake
+// chain (kernel -> relay thread -> caller, two condition-variable hops).
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -17,6 +20,8 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
+
+#include "ops/device_completion.h"  // dtorch's blocking-wait registration (libdtorch_ops)
 
 #include <array>
 #include <atomic>
@@ -310,6 +315,23 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, SimGuardImpl);
 
+// dtorch's detectors sleep here instead of polling (a slice at a time).
+bool BlockingEventWait(const c10::Event& event, std::chrono::microseconds timeout) {
+  void* id = event.eventId();
+  if (id == nullptr) return true;
+  auto& state = *static_cast<Event*>(id)->state;
+  std::unique_lock<std::mutex> lock(state.mu);
+  const bool done =
+      state.cv.wait_for(lock, timeout, [&] { return state.completed >= state.recorded; });
+  if (done) state.ThrowIfFaultLocked();
+  return done;
+}
+
+const bool blocking_wait_registered = [] {
+  dtorch::RegisterBlockingEventWait(kType, &BlockingEventWait);
+  return true;
+}();
+
 // Hooks: tell torch (and dtorch's sync(devices=None)) whether this process has used the device.
 struct SimHooks final : at::PrivateUse1HooksInterface {
   bool hasPrimaryContext(c10::DeviceIndex device) const override {
@@ -478,6 +500,84 @@ bool is_allocated(int64_t address) {
 
 int64_t stream_count() { return static_cast<int64_t>(Runtime::Get().StreamCount()); }
 
+void set_blocking_wait(bool enabled) {
+  dtorch::RegisterBlockingEventWait(kType, enabled ? &BlockingEventWait : nullptr);
+}
+
+// ---- benchmark helpers ----
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::mutex stamp_mu;
+std::map<int64_t, int64_t> stamps;  // guarded by stamp_mu: slot -> steady_clock ns (0: not yet)
+int64_t next_stamp = 0;             // guarded by stamp_mu
+
+// A kernel that records when it runs; returns its slot.
+int64_t stamp_kernel() {
+  int64_t slot;
+  {
+    std::lock_guard<std::mutex> lock(stamp_mu);
+    slot = next_stamp++;
+    stamps[slot] = 0;
+  }
+  CurrentWorker().Enqueue([slot] {
+    std::lock_guard<std::mutex> lock(stamp_mu);
+    stamps[slot] = NowNs();
+  });
+  return slot;
+}
+
+// When the stamp kernel of `slot` ran (steady_clock ns, CLOCK_MONOTONIC: Python's
+// time.monotonic_ns), 0 if not yet; forgets the slot once it has run.
+int64_t stamp_ns(int64_t slot) {
+  std::lock_guard<std::mutex> lock(stamp_mu);
+  const auto it = stamps.find(slot);
+  TORCH_CHECK(it != stamps.end(), "simdev: no stamp ", slot);
+  const int64_t ns = it->second;
+  if (ns != 0) stamps.erase(it);
+  return ns;
+}
+
+// The anchor of the completion benchmark: a kernel on the current stream stamps the time and
+// wakes a relay thread (hop 1), which wakes this caller (hop 2); returns the kernel's stamp.
+struct Hop {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool set = false;  // guarded by mu
+  void Set() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      set = true;
+    }
+    cv.notify_one();
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return set; });
+  }
+};
+
+int64_t two_hop_wait() {
+  auto first = std::make_shared<Hop>();
+  auto second = std::make_shared<Hop>();
+  auto stamp = std::make_shared<std::atomic<int64_t>>(0);
+  std::thread relay([first, second] {
+    first->Wait();
+    second->Set();
+  });
+  CurrentWorker().Enqueue([first, stamp] {
+    stamp->store(NowNs());
+    first->Set();
+  });
+  second->Wait();
+  relay.join();
+  return stamp->load();
+}
+
 }  // namespace
 }  // namespace simdev
 
@@ -513,4 +613,12 @@ TORCH_LIBRARY(simdev, m) {
   // Whether the allocation starting at `address` (a data_ptr()) has not been freed yet.
   m.def("is_allocated(int address) -> bool", &simdev::is_allocated);
   m.def("stream_count() -> int", &simdev::stream_count);
+  // Registers (true) or removes (false) the blocking wait dtorch uses for simdev events.
+  m.def("set_blocking_wait(bool enabled) -> ()", &simdev::set_blocking_wait);
+  // A kernel on the current stream that records when it runs; returns its slot.
+  m.def("stamp() -> int", &simdev::stamp_kernel);
+  // When the stamp of `slot` ran (steady_clock ns), 0 if not yet.
+  m.def("stamp_ns(int slot) -> int", &simdev::stamp_ns);
+  // The benchmark's anchor: a two-hop wake chain from the stream; returns the kernel's stamp.
+  m.def("two_hop_wait() -> int", &simdev::two_hop_wait);
 }

@@ -1,0 +1,370 @@
+#include "completion_detectors.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <deque>
+#include <list>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "future_error.h"
+
+namespace dtorch::core {
+namespace {
+
+using std::chrono::microseconds;
+constexpr microseconds kMinBackoff{20};
+constexpr microseconds kMaxBackoff{1000};
+// Completions examined per key and round: those behind a finished one are usually finished too.
+constexpr size_t kBatch = 64;
+
+std::exception_ptr Dropped(FutureErrc code) {
+  const char* detail =
+      code == FutureErrc::kDroppedAtExit
+          ? "the value was still pending when dtorch_ops stopped its threads at process exit; "
+            "wait for it before exit (or before an atexit handler registered after dtorch_ops "
+            "was imported has run)"
+          : "the value was pending in the parent process when it forked, and device work does "
+            "not survive fork; get it in the parent, or start workers with the 'spawn' method";
+  return std::make_exception_ptr(FutureError(code, detail));
+}
+
+// Completes `items` with `error`, then leaks them (see the header: what they hold may belong to a
+// runtime being torn down, or to the parent's device context).
+void CompleteAndLeak(std::vector<PendingCompletion*>& items, FutureErrc code) {
+  const auto error = Dropped(code);
+  for (auto* item : items) item->Complete(error);
+  items.clear();
+}
+
+}  // namespace
+
+struct CompletionDetectors::Key {
+  explicit Key(std::string key_name) : name(std::move(key_name)) {}
+  const std::string name;
+  std::deque<std::unique_ptr<PendingCompletion>> items;
+  Detector* detector = nullptr;  // the one serving this key, for as long as the key is active
+  bool busy = false;             // the detector examines or completes its items outside the lock
+};
+
+struct CompletionDetectors::Detector {
+  std::condition_variable cv;  // a key given to it, or Stop
+  std::vector<Key*> keys;      // the keys it serves
+  bool notified = false;
+  bool blocking = false;       // inside a blocking wait: a new key would wait for the slice
+};
+
+struct CompletionDetectors::State {
+  std::mutex mu;
+  std::condition_variable changed;  // a detector exited, or completions finished
+  // Everything below is guarded by mu.
+  std::map<std::string, std::unique_ptr<Key>> keys;  // the active keys
+  std::list<std::unique_ptr<Detector>> detectors;     // the live detector threads
+  int64_t max_threads = kDefaultMaxThreads;
+  int64_t idle_exit_ms = kDefaultIdleExitMs;
+  size_t pending = 0;     // submitted, not yet completed
+  size_t completing = 0;  // inside Complete() on a detector, outside mu
+  uint64_t notified_wakeups = 0;
+  bool stopping = false;  // Stop() began: no new values, detectors finish what is done
+  bool dropped = false;   // Stop() dropped what was pending: detectors touch nothing more
+  int fail_thread_starts_for_testing = 0;
+};
+
+CompletionDetectors::CompletionDetectors() : state_(new State()) {}
+
+CompletionDetectors& CompletionDetectors::Instance() {
+  // Leaked on purpose: detached detectors may outlive static destruction.
+  static CompletionDetectors* detectors = new CompletionDetectors();
+  return *detectors;
+}
+
+void CompletionDetectors::Submit(const std::string& key,
+                                 std::unique_ptr<PendingCompletion> completion) {
+  State& st = *state_;
+  std::unique_lock<std::mutex> lock(st.mu);
+  if (st.stopping) {
+    lock.unlock();
+    std::vector<PendingCompletion*> late{completion.release()};
+    CompleteAndLeak(late, FutureErrc::kDroppedAtExit);
+    return;
+  }
+  auto& slot = st.keys[key];
+  if (!slot) slot = std::make_unique<Key>(key);
+  Key& k = *slot;
+  k.items.push_back(std::move(completion));
+  ++st.pending;
+  if (k.detector != nullptr) return;  // active: its detector reaches this one after the others
+  try {
+    AssignLocked(k);
+  } catch (...) {
+    // Take back exactly this completion: a queued item that no detector serves would keep its
+    // value pending forever.
+    k.items.pop_back();
+    --st.pending;
+    st.keys.erase(key);
+    throw;
+  }
+}
+
+void CompletionDetectors::AssignLocked(Key& key) {
+  State& st = *state_;
+  Detector* chosen = nullptr;
+  for (auto& detector : st.detectors) {  // an idle detector first
+    if (detector->keys.empty()) {
+      chosen = detector.get();
+      break;
+    }
+  }
+  if (chosen == nullptr && static_cast<int64_t>(st.detectors.size()) < st.max_threads) {
+    StartDetectorLocked(key);
+    return;
+  }
+  if (chosen == nullptr) {  // at the cap: share the least loaded, preferring one not blocked
+    for (auto& detector : st.detectors) {
+      if (chosen == nullptr || std::make_pair(detector->blocking, detector->keys.size()) <
+                                   std::make_pair(chosen->blocking, chosen->keys.size())) {
+        chosen = detector.get();
+      }
+    }
+  }
+  chosen->keys.push_back(&key);
+  key.detector = chosen;
+  chosen->notified = true;
+  chosen->cv.notify_one();
+}
+
+void CompletionDetectors::StartDetectorLocked(Key& key) {
+  State& st = *state_;
+  st.detectors.push_back(std::make_unique<Detector>());
+  Detector* detector = st.detectors.back().get();
+  detector->keys.push_back(&key);
+  key.detector = detector;
+  try {
+    if (st.fail_thread_starts_for_testing > 0) {
+      --st.fail_thread_starts_for_testing;
+      throw std::system_error(EAGAIN, std::generic_category(), "dtorch: cannot start a thread");
+    }
+    // Started under the lock: the thread waits for it before looking at its keys.
+    std::thread([this, detector] { Run(detector); }).detach();
+  } catch (...) {
+    key.detector = nullptr;
+    st.detectors.pop_back();
+    throw;
+  }
+}
+
+void CompletionDetectors::Run(Detector* self) {
+  pthread_setname_np(pthread_self(), kThreadName);  // visible in /proc, ps, gdb and the tests
+  State& st = *state_;
+  // What a round learned about one key: its first `items` (oldest first), how many of them are
+  // done, and the errors of those.
+  struct Probe {
+    Key* key;
+    std::vector<PendingCompletion*> items;
+    std::vector<std::exception_ptr> errors;
+  };
+  std::vector<Probe> probes;
+  std::vector<std::pair<std::unique_ptr<PendingCompletion>, std::exception_ptr>> finished;
+  microseconds backoff = kMinBackoff;
+  std::unique_lock<std::mutex> lock(st.mu);
+  for (;;) {
+    if (self->keys.empty()) {
+      if (st.stopping) break;
+      const auto idle_deadline =
+          std::chrono::steady_clock::now() + std::chrono::milliseconds(st.idle_exit_ms);
+      self->notified = false;
+      if (!self->cv.wait_until(lock, idle_deadline, [&] { return self->notified; })) break;
+      ++st.notified_wakeups;
+      continue;
+    }
+    // One round: examine the oldest completions of each key, outside the lock. Only this thread
+    // takes items off its keys, so the pointers stay valid and stay the oldest meanwhile.
+    const bool block = !st.stopping && self->keys.size() == 1 &&
+                       self->keys.front()->items.front()->CanBlock();
+    probes.clear();
+    for (Key* key : self->keys) {
+      key->busy = true;
+      Probe probe{key, {}, {}};
+      const size_t n = std::min(key->items.size(), kBatch);
+      for (size_t i = 0; i < n; ++i) probe.items.push_back(key->items[i].get());
+      probes.push_back(std::move(probe));
+    }
+    self->blocking = block;
+    lock.unlock();
+    for (Probe& probe : probes) {
+      for (PendingCompletion* item : probe.items) {
+        std::exception_ptr error;
+        bool done;
+        try {
+          done = block && probe.errors.empty()
+                     ? item->WaitFor(std::chrono::milliseconds(kBlockingSliceMs))
+                     : item->Poll();
+        } catch (...) {
+          error = std::current_exception();
+          done = true;
+        }
+        if (!done) break;
+        probe.errors.push_back(error);
+      }
+    }
+    lock.lock();
+    self->blocking = false;
+    if (st.dropped) break;  // Stop() gave up on this detector and dropped its keys' items
+    finished.clear();
+    for (Probe& probe : probes) {
+      for (auto& error : probe.errors) {
+        finished.emplace_back(std::move(probe.key->items.front()), error);
+        probe.key->items.pop_front();
+      }
+    }
+    st.completing += finished.size();
+    lock.unlock();
+    // In order within each key: the probes' keys are distinct, and each key's items in order.
+    for (auto& [item, error] : finished) item->Complete(error);
+    lock.lock();
+    st.completing -= finished.size();
+    st.pending -= finished.size();
+    if (!finished.empty()) st.changed.notify_all();
+    lock.unlock();
+    // Released outside the lock: dropping a tensor's last reference may take the GIL. Not counted
+    // in `completing`, so PrepareFork (on a thread holding the GIL in os.fork) never waits for it.
+    finished.clear();
+    lock.lock();
+    for (Probe& probe : probes) {
+      Key* key = probe.key;
+      key->busy = false;
+      if (key->items.empty()) {  // inactive: the next submission assigns it afresh
+        self->keys.erase(std::find(self->keys.begin(), self->keys.end(), key));
+        st.keys.erase(key->name);
+      }
+    }
+    const bool progressed = std::any_of(probes.begin(), probes.end(),
+                                        [](const Probe& p) { return !p.errors.empty(); });
+    if (progressed) {
+      backoff = kMinBackoff;
+      continue;
+    }
+    if (st.stopping) break;  // the final rounds found nothing more that is done
+    if (block) continue;     // the blocking wait itself was the pause
+    self->notified = false;
+    if (self->cv.wait_for(lock, backoff, [&] { return self->notified; })) ++st.notified_wakeups;
+    backoff = std::min(backoff * 2, kMaxBackoff);
+  }
+  // Exit (idle, stopping, or abandoned by Stop). Keys still served are left to Stop, which drops
+  // what they hold.
+  for (Key* key : self->keys) key->detector = nullptr;
+  st.detectors.remove_if([self](const std::unique_ptr<Detector>& d) { return d.get() == self; });
+  st.changed.notify_all();
+}
+
+void CompletionDetectors::Stop(std::chrono::steady_clock::time_point deadline) {
+  State& st = *state_;
+  std::vector<PendingCompletion*> dropped;
+  {
+    std::unique_lock<std::mutex> lock(st.mu);
+    if (st.dropped) return;
+    st.stopping = true;
+    for (auto& detector : st.detectors) {
+      detector->notified = true;
+      detector->cv.notify_one();
+    }
+    st.changed.wait_until(lock, deadline,
+                          [&] { return st.detectors.empty() && st.completing == 0; });
+    st.dropped = true;
+    for (auto& [name, key] : st.keys) {
+      for (auto& item : key->items) dropped.push_back(item.release());
+    }
+    st.pending -= dropped.size();
+    st.keys.clear();
+    for (auto& detector : st.detectors) detector->keys.clear();  // abandoned: see Run
+  }
+  CompleteAndLeak(dropped, FutureErrc::kDroppedAtExit);
+}
+
+void CompletionDetectors::PrepareFork() {
+  State& st = *state_;
+  std::unique_lock<std::mutex> lock(st.mu);
+  // A Complete() in progress has popped its item: in the child nobody would complete it.
+  st.changed.wait(lock, [&] { return st.completing == 0; });
+  lock.release();  // held across fork(); unlocked by AfterForkInParent / reset in the child
+}
+
+void CompletionDetectors::AfterForkInParent() { state_->mu.unlock(); }
+
+void CompletionDetectors::AfterForkInChild() {
+  // The only thread here is the one that forked. The parent's state is leaked: its mutex is held
+  // (PrepareFork) and its condition variables may count waiters that do not exist here.
+  State* parent = state_;
+  std::vector<PendingCompletion*> dropped;
+  for (auto& [name, key] : parent->keys) {
+    for (auto& item : key->items) dropped.push_back(item.release());
+  }
+  auto* fresh = new State();
+  fresh->max_threads = parent->max_threads;
+  fresh->idle_exit_ms = parent->idle_exit_ms;
+  state_ = fresh;
+  CompleteAndLeak(dropped, FutureErrc::kDroppedAtFork);
+}
+
+void CompletionDetectors::SetMaxThreads(int64_t count) {
+  if (count < 1) throw std::invalid_argument("needs at least 1 detector thread");
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->max_threads = count;
+}
+
+int64_t CompletionDetectors::MaxThreads() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->max_threads;
+}
+
+void CompletionDetectors::SetIdleExitMs(int64_t ms) {
+  if (ms < 1) throw std::invalid_argument("the idle time before a detector exits must be >= 1 ms");
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->idle_exit_ms = ms;
+  for (auto& detector : state_->detectors) {  // idle ones restart their wait with the new time
+    if (detector->keys.empty()) {
+      detector->notified = true;
+      detector->cv.notify_one();
+    }
+  }
+}
+
+int64_t CompletionDetectors::IdleExitMs() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->idle_exit_ms;
+}
+
+size_t CompletionDetectors::ThreadCount() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->detectors.size();
+}
+
+size_t CompletionDetectors::PendingCount() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->pending;
+}
+
+size_t CompletionDetectors::ActiveKeys() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->keys.size();
+}
+
+uint64_t CompletionDetectors::NotifiedWakeups() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->notified_wakeups;
+}
+
+void CompletionDetectors::FailThreadStartsForTesting(int count) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->fail_thread_starts_for_testing = count;
+}
+
+}  // namespace dtorch::core

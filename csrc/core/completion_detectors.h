@@ -1,0 +1,116 @@
+// CompletionDetectors: complete values when asynchronous work finishes, with a bounded number of
+// library threads (torch-free). One model for every source of completions ("Threads and
+// completions" in the design): device streams today, other kinds later.
+//
+// A source's completions are queued under its key (one key per device stream). Work of one key
+// finishes in order, so only the oldest pending completion of each key is watched; when it is done
+// the ones behind it are usually done too and are drained without sleeping, in order.
+//
+// Threads ("detectors", named dtorch-detect): at most one per active key, up to a cap per process
+// (SetMaxThreads; 32 by default), beyond which keys share detectors (a new key goes to the
+// detector serving the fewest). A key is active while it has completions queued or being
+// completed; a submission to an active key wakes nobody, one to an inactive key wakes only the
+// detector it is given to. A detector serving one key whose oldest completion can block
+// (PendingCompletion::CanBlock: a backend registered a blocking wait) sleeps in that wait, in
+// slices of kBlockingSliceMs; otherwise it polls its keys' oldest completions with an exponential
+// back-off (20 us .. 1 ms). A detector with no key exits after the idle time (SetIdleExitMs).
+//
+// Exit (Stop, called by the library's exit handler within one deadline): detectors complete what
+// is already done and exit; every completion still pending then gets FutureError
+// kDroppedAtExit, and so does each later submission. Fork: the child inherits no detector; the
+// completions pending in the parent get kDroppedAtFork in the child (AfterForkInChild), and new
+// submissions there start new detectors.
+//
+// Lifetime: a process-wide singleton, never destroyed. A completion keeps what it needs alive until
+// Complete() has run. One dropped (exit, fork) is completed with the error and then leaked, not
+// destroyed: what it holds (a device event, a tensor) may belong to a runtime being torn down, or
+// to the parent's device context.
+//
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+
+namespace dtorch::core {
+
+class PendingCompletion {
+ public:
+  virtual ~PendingCompletion() = default;
+  // Non-blocking: true once the awaited work has finished. May throw (a device error).
+  virtual bool Poll() = 0;
+  // Whether WaitFor blocks in the backend without spinning until the work is done.
+  virtual bool CanBlock() const { return false; }
+  // Blocks up to `timeout` (or as long as the backend cannot bound its wait) for the work; returns
+  // whether it finished. Called only when CanBlock(). May throw (a device error).
+  virtual bool WaitFor(std::chrono::microseconds timeout) { return Poll(); }
+  // Called exactly once: with nullptr when the work finished, with the exception Poll()/WaitFor()
+  // threw, or with a FutureError (kDroppedAtExit, kDroppedAtFork) when the value will never be
+  // detected. Runs on a detector, or on the thread that stops the library or forked. Must not
+  // throw, block, or take the GIL.
+  virtual void Complete(std::exception_ptr error) noexcept = 0;
+};
+
+class CompletionDetectors {
+ public:
+  static constexpr const char* kThreadName = "dtorch-detect";  // at most 15 characters
+  static constexpr size_t kDefaultMaxThreads = 32;
+  static constexpr int64_t kDefaultIdleExitMs = 2000;
+  static constexpr int64_t kBlockingSliceMs = 50;
+
+  static CompletionDetectors& Instance();
+
+  // Queues `completion` behind the earlier ones of `key`. Throws std::system_error (and queues
+  // nothing) if a detector is needed and no thread can be started. After Stop(), completes it at
+  // once, here, with kDroppedAtExit.
+  void Submit(const std::string& key, std::unique_ptr<PendingCompletion> completion);
+
+  // Settings. The cap applies to keys activated from then on, the idle time at once. Throw
+  // std::invalid_argument when < 1.
+  void SetMaxThreads(int64_t count);
+  int64_t MaxThreads() const;
+  void SetIdleExitMs(int64_t ms);
+  int64_t IdleExitMs() const;
+
+  // For tests and diagnostics.
+  size_t ThreadCount() const;   // live detectors
+  size_t PendingCount() const;  // completions not yet completed
+  size_t ActiveKeys() const;    // keys with completions queued or being completed
+  // How many times a detector was woken by a notification (a key given to it, Stop), not by a
+  // timeout: a submission wakes at most one detector.
+  uint64_t NotifiedWakeups() const;
+  // The next `count` thread starts fail as if the system had no thread to spare.
+  void FailThreadStartsForTesting(int count);
+
+  // Exit: detectors complete what is done and exit; at `deadline` whatever is still pending is
+  // completed with kDroppedAtExit (here, on the calling thread). A detector still inside a Poll or
+  // WaitFor then is abandoned: it completes nothing more. Idempotent.
+  void Stop(std::chrono::steady_clock::time_point deadline);
+
+  // pthread_atfork handlers (registered by the library's lifecycle, core/library_threads.h).
+  // PrepareFork waits until no detector is inside Complete() and keeps the detectors' state locked
+  // across fork(); the parent unlocks it, the child resets it and drops what was pending.
+  void PrepareFork();
+  void AfterForkInParent();
+  void AfterForkInChild();
+
+ private:
+  struct State;
+  struct Detector;
+  struct Key;
+
+  CompletionDetectors();
+  void Run(Detector* self);
+  void AssignLocked(Key& key);
+  void StartDetectorLocked(Key& key);
+
+  // Replaced (the old one leaked) in a fork child: its mutex and condition variables may be in any
+  // state there.
+  State* state_;
+};
+
+}  // namespace dtorch::core

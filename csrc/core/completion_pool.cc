@@ -1,0 +1,158 @@
+#include "completion_pool.h"
+
+#include <pthread.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "boost_config.h"
+
+#include <boost/asio/post.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/asio/thread_pool.hpp>
+
+namespace dtorch::core {
+
+struct CompletionPool::State {
+  std::mutex mu;
+  std::condition_variable idle;  // outstanding reached 0
+  // Everything below is guarded by mu.
+  boost::asio::thread_pool* pool = nullptr;  // leaked, never destroyed: see Stop
+  int64_t threads = kDefaultThreads;
+  size_t running = 0;      // pool threads attached now
+  size_t outstanding = 0;  // posted, not yet finished
+  bool stopped = false;
+
+  // `work` wrapped so that the pool knows when it is done.
+  Work Counted(Work work) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++outstanding;
+    }
+    return [this, work = std::move(work)] {
+      try {
+        work();
+      } catch (...) {
+        // Completion work reports its errors through the values it completes.
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      if (--outstanding == 0) idle.notify_all();
+    };
+  }
+};
+
+struct CompletionPool::Strand::Impl {
+  State* state;
+  boost::asio::strand<boost::asio::thread_pool::executor_type> strand;
+};
+
+CompletionPool::CompletionPool() : state_(new State()) {}
+
+CompletionPool& CompletionPool::Instance() {
+  // Leaked on purpose: pool threads may outlive static destruction.
+  static CompletionPool* pool = new CompletionPool();
+  return *pool;
+}
+
+CompletionPool::State& CompletionPool::StartedLocked() {
+  State& st = *state_;
+  if (st.stopped) {
+    throw std::runtime_error("dtorch: the completion pool has stopped (process exit)");
+  }
+  if (st.pool != nullptr) return st;
+  // No threads of Asio's own: the library's named threads attach themselves.
+  auto* pool = new boost::asio::thread_pool(0);
+  for (int64_t i = 0; i < st.threads; ++i) {
+    try {
+      std::thread([&st, pool] {
+        pthread_setname_np(pthread_self(), kThreadName);
+        pool->attach();  // runs posted work until the pool is stopped
+        std::lock_guard<std::mutex> lock(st.mu);
+        --st.running;
+      }).detach();
+      ++st.running;
+    } catch (const std::system_error&) {
+      if (st.running > 0) break;  // fewer threads, but the work runs
+      pool->stop();               // nothing attached: no thread touches it
+      delete pool;
+      throw;
+    }
+  }
+  st.pool = pool;
+  return st;
+}
+
+void CompletionPool::Post(Work work) {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  State& st = StartedLocked();
+  lock.unlock();
+  boost::asio::post(*st.pool, st.Counted(std::move(work)));
+}
+
+CompletionPool::Strand CompletionPool::MakeStrand() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  State& st = StartedLocked();
+  return Strand(std::make_shared<Strand::Impl>(
+      Strand::Impl{&st, boost::asio::make_strand(st.pool->get_executor())}));
+}
+
+void CompletionPool::Strand::Post(Work work) const {
+  State& st = *impl_->state;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (st.stopped) {
+      throw std::runtime_error("dtorch: the completion pool has stopped (process exit)");
+    }
+  }
+  boost::asio::post(impl_->strand, st.Counted(std::move(work)));
+}
+
+void CompletionPool::SetThreads(int64_t count) {
+  if (count < 1) throw std::invalid_argument("the completion pool needs at least 1 thread");
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (state_->pool != nullptr && state_->threads != count) {
+    throw std::logic_error("the completion pool has already started with " +
+                           std::to_string(state_->threads) +
+                           " threads; set its size before the first use");
+  }
+  state_->threads = count;
+}
+
+int64_t CompletionPool::Threads() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->threads;
+}
+
+size_t CompletionPool::ThreadCount() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->running;
+}
+
+void CompletionPool::Stop(std::chrono::steady_clock::time_point deadline) {
+  State& st = *state_;
+  std::unique_lock<std::mutex> lock(st.mu);
+  if (st.stopped) return;
+  // Posting stays open meanwhile: work in progress may post the next step of a strand.
+  st.idle.wait_until(lock, deadline, [&] { return st.outstanding == 0; });
+  st.stopped = true;
+  // Threads leave after their current work; work not started is abandoned. The pool is not
+  // destroyed: its destructor joins threads that may still be inside a piece of work.
+  if (st.pool != nullptr) st.pool->stop();
+}
+
+void CompletionPool::PrepareFork() { state_->mu.lock(); }
+
+void CompletionPool::AfterForkInParent() { state_->mu.unlock(); }
+
+void CompletionPool::AfterForkInChild() {
+  // The parent's pool (and its locked mutex) are leaked: none of its threads exist here.
+  auto* fresh = new State();
+  fresh->threads = state_->threads;
+  state_ = fresh;
+}
+
+}  // namespace dtorch::core
