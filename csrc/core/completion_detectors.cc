@@ -177,7 +177,8 @@ void CompletionDetectors::Run(Detector* self) {
   std::unique_lock<std::mutex> lock(st.mu);
   for (;;) {
     if (self->keys.empty()) {
-      if (st.stopping) break;
+      // Idle: exit when stopping, or when the cap was lowered below the detectors alive.
+      if (st.stopping || static_cast<int64_t>(st.detectors.size()) > st.max_threads) break;
       const auto idle_deadline =
           std::chrono::steady_clock::now() + std::chrono::milliseconds(st.idle_exit_ms);
       self->notified = false;
@@ -318,6 +319,7 @@ void CompletionDetectors::SetMaxThreads(int64_t count) {
   if (count < 1) throw std::invalid_argument("needs at least 1 detector thread");
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->max_threads = count;
+  WakeIdleLocked();  // beyond a lowered cap, idle detectors exit
 }
 
 int64_t CompletionDetectors::MaxThreads() const {
@@ -329,7 +331,11 @@ void CompletionDetectors::SetIdleExitMs(int64_t ms) {
   if (ms < 1) throw std::invalid_argument("the idle time before a detector exits must be >= 1 ms");
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->idle_exit_ms = ms;
-  for (auto& detector : state_->detectors) {  // idle ones restart their wait with the new time
+  WakeIdleLocked();  // idle ones restart their wait with the new time
+}
+
+void CompletionDetectors::WakeIdleLocked() {
+  for (auto& detector : state_->detectors) {
     if (detector->keys.empty()) {
       detector->notified = true;
       detector->cv.notify_one();

@@ -69,8 +69,8 @@ class CompletionDetectors {
   // once, here, with kDroppedAtExit.
   void Submit(const std::string& key, std::unique_ptr<PendingCompletion> completion);
 
-  // Settings. The cap applies to keys activated from then on, the idle time at once. Throw
-  // std::invalid_argument when < 1.
+  // Settings, applied at once (idle detectors beyond a lowered cap exit; busy ones finish their
+  // keys). Throw std::invalid_argument when < 1.
   void SetMaxThreads(int64_t count);
   int64_t MaxThreads() const;
   void SetIdleExitMs(int64_t ms);
@@ -107,6 +107,7 @@ class CompletionDetectors {
   void Run(Detector* self);
   void AssignLocked(Key& key);
   void StartDetectorLocked(Key& key);
+  void WakeIdleLocked();
 
   // Replaced (the old one leaked) in a fork child: its mutex and condition variables may be in any
   // state there.

@@ -430,10 +430,12 @@ void sleep_kernel(int64_t ms) {
 }
 
 // Gates: a kernel that waits until the test opens its gate (deterministic "busy device").
-std::mutex gate_mu;
-std::condition_variable gate_cv;
-std::set<int64_t> closed_gates;  // guarded by gate_mu
-int64_t next_gate = 0;           // guarded by gate_mu
+// Leaked, never destroyed: a worker may still wait at a closed gate when the process exits, and
+// destroying a condition variable with a waiter blocks (glibc).
+std::mutex& gate_mu = *new std::mutex();
+std::condition_variable& gate_cv = *new std::condition_variable();
+std::set<int64_t>& closed_gates = *new std::set<int64_t>();  // guarded by gate_mu
+int64_t next_gate = 0;                                      // guarded by gate_mu
 
 int64_t hold_kernel() {
   int64_t gate;
