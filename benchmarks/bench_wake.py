@@ -75,7 +75,8 @@ def cpp_wake(samples):
     with tempfile.TemporaryDirectory() as tmp:
         binary = os.path.join(tmp, "wake_bench")
         subprocess.run([cxx, "-std=c++20", "-O2", "-pthread", "-I", os.path.join(REPO, "csrc"),
-                        os.path.join(HERE, "cpp", "wake_bench.cpp"), "-o", binary],
+                        os.path.join(HERE, "cpp", "wake_bench.cpp"),
+                        os.path.join(REPO, "csrc", "core", "fork_generation.cc"), "-o", binary],
                        check=True, timeout=300)
         out = subprocess.run([binary, str(samples)], check=True, capture_output=True, text=True,
                              timeout=300).stdout

@@ -429,6 +429,10 @@ void sleep_kernel(int64_t ms) {
   CurrentWorker().Enqueue([ms] { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); });
 }
 
+void sleep_us_kernel(int64_t us) {
+  CurrentWorker().Enqueue([us] { std::this_thread::sleep_for(std::chrono::microseconds(us)); });
+}
+
 // Gates: a kernel that waits until the test opens its gate (deterministic "busy device").
 // Leaked, never destroyed: a worker may still wait at a closed gate when the process exits, and
 // destroying a condition variable with a waiter blocks (glibc).
@@ -597,6 +601,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 TORCH_LIBRARY(simdev, m) {
   // A kernel on the current stream that takes `ms` milliseconds.
   m.def("sleep(int ms) -> ()", &simdev::sleep_kernel);
+  m.def("sleep_us(int us) -> ()", &simdev::sleep_us_kernel);
   // A kernel on the current stream that waits until release(gate) is called; returns the gate.
   m.def("hold() -> int", &simdev::hold_kernel);
   m.def("release(int gate) -> ()", &simdev::release_gate);
