@@ -239,6 +239,7 @@ void CompletionDetectors::Run(Detector* self) {
     // in `completing`, so PrepareFork (on a thread holding the GIL in os.fork) never waits for it.
     finished.clear();
     lock.lock();
+    if (st.dropped) break;  // Stop() timed out meanwhile and destroyed the keys
     for (Probe& probe : probes) {
       Key* key = probe.key;
       key->busy = false;
