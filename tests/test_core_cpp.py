@@ -31,4 +31,4 @@ def test_core_cpp(tmp_path):
            "ASAN_OPTIONS": "fast_unwind_on_malloc=0"}
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "core tests: 13 passed" in run.stdout
+    assert "core tests: 14 passed" in run.stdout

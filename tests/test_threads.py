@@ -97,6 +97,7 @@ def test_200_streams_use_at_most_the_cap_of_detectors(sim, settings, wait_mode, 
 
 def test_completions_of_a_stream_stay_in_order(sim, settings, wait_mode):
     settings.max_detector_threads = 1  # three streams share one detector
+    assert _wait_until(lambda: detector_threads() <= 1)
     streams = _held_streams(sim, 3)
     futures = []
     for stream, _ in streams:
@@ -109,10 +110,11 @@ def test_completions_of_a_stream_stay_in_order(sim, settings, wait_mode):
             futures.append(stream_futures)
     for _, release in streams:
         release()
-    # Seen at any moment, each stream's ready values are a prefix of its values.
+    # Seen at any moment, each stream's ready values are a prefix of its values. Read from the last
+    # to the first: a value ready when read implies (in order) every earlier one ready after it.
     deadline = time.monotonic() + WAIT_MS / 1000
     while time.monotonic() < deadline:
-        snapshot = [[f.is_ready() for f in fs] for fs in futures]
+        snapshot = [[f.is_ready() for f in reversed(fs)][::-1] for fs in futures]
         for ready in snapshot:
             assert ready == sorted(ready, reverse=True), f"out of order: {ready}"
         if all(all(ready) for ready in snapshot):

@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <deque>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "future_error.h"
+#include "shared_state.h"  // kMaxTimeoutMs
 
 namespace dtorch::core {
 namespace {
@@ -75,6 +77,7 @@ struct CompletionDetectors::State {
   uint64_t notified_wakeups = 0;
   bool stopping = false;  // Stop() began: no new values, detectors finish what is done
   bool dropped = false;   // Stop() dropped what was pending: detectors touch nothing more
+  std::atomic<bool> abandoned{false};  // = dropped, read without mu between polls
   int fail_thread_starts_for_testing = 0;
 };
 
@@ -116,24 +119,29 @@ void CompletionDetectors::Submit(const std::string& key,
 
 void CompletionDetectors::AssignLocked(Key& key) {
   State& st = *state_;
-  Detector* chosen = nullptr;
-  for (auto& detector : st.detectors) {  // an idle detector first
-    if (detector->keys.empty()) {
-      chosen = detector.get();
-      break;
-    }
-  }
-  if (chosen == nullptr && static_cast<int64_t>(st.detectors.size()) < st.max_threads) {
-    StartDetectorLocked(key);
-    return;
-  }
-  if (chosen == nullptr) {  // at the cap: share the least loaded, preferring one not blocked
+  const auto alive = static_cast<int64_t>(st.detectors.size());
+  const auto least_loaded = [&](bool busy_only) {
+    Detector* chosen = nullptr;
     for (auto& detector : st.detectors) {
+      if (busy_only && detector->keys.empty()) continue;
       if (chosen == nullptr || std::make_pair(detector->blocking, detector->keys.size()) <
                                    std::make_pair(chosen->blocking, chosen->keys.size())) {
         chosen = detector.get();
       }
     }
+    return chosen;
+  };
+  Detector* chosen = nullptr;
+  if (alive <= st.max_threads) {
+    chosen = least_loaded(/*busy_only=*/false);  // an idle detector if there is one
+    if ((chosen == nullptr || !chosen->keys.empty()) && alive < st.max_threads) {
+      StartDetectorLocked(key);
+      return;
+    }
+  } else {
+    // Above a lowered cap: share a busy detector; the idle ones are on their way out.
+    chosen = least_loaded(/*busy_only=*/true);
+    if (chosen == nullptr) chosen = least_loaded(/*busy_only=*/false);
   }
   chosen->keys.push_back(&key);
   key.detector = chosen;
@@ -152,8 +160,11 @@ void CompletionDetectors::StartDetectorLocked(Key& key) {
       --st.fail_thread_starts_for_testing;
       throw std::system_error(EAGAIN, std::generic_category(), "dtorch: cannot start a thread");
     }
-    // Started under the lock: the thread waits for it before looking at its keys.
-    std::thread([this, detector] { Run(detector); }).detach();
+    // Started under the lock: the thread waits for it before looking at its keys. Named here,
+    // so that it is counted by name as soon as it exists.
+    std::thread thread([this, detector] { Run(detector); });
+    pthread_setname_np(thread.native_handle(), kThreadName);
+    thread.detach();
   } catch (...) {
     key.detector = nullptr;
     st.detectors.pop_back();
@@ -162,7 +173,6 @@ void CompletionDetectors::StartDetectorLocked(Key& key) {
 }
 
 void CompletionDetectors::Run(Detector* self) {
-  pthread_setname_np(pthread_self(), kThreadName);  // visible in /proc, ps, gdb and the tests
   State& st = *state_;
   // What a round learned about one key: its first `items` (oldest first), how many of them are
   // done, and the errors of those.
@@ -190,6 +200,11 @@ void CompletionDetectors::Run(Detector* self) {
     // takes items off its keys, so the pointers stay valid and stay the oldest meanwhile.
     const bool block = !st.stopping && self->keys.size() == 1 &&
                        self->keys.front()->items.front()->CanBlock();
+    // At the cap a new stream may be given to this detector while it blocks: shorter slices.
+    const auto slice = static_cast<int64_t>(st.detectors.size()) >= st.max_threads
+                           ? std::chrono::milliseconds(kBlockingSliceAtCapMs)
+                           : std::chrono::milliseconds(kBlockingSliceMs);
+    self->notified = false;  // a key given during the round ends the back-off below at once
     probes.clear();
     for (Key* key : self->keys) {
       key->busy = true;
@@ -202,11 +217,12 @@ void CompletionDetectors::Run(Detector* self) {
     lock.unlock();
     for (Probe& probe : probes) {
       for (PendingCompletion* item : probe.items) {
+        if (st.abandoned.load()) break;  // Stop() failed these already
         std::exception_ptr error;
         bool done;
         try {
           done = block && probe.errors.empty()
-                     ? item->WaitFor(std::chrono::milliseconds(kBlockingSliceMs))
+                     ? item->WaitFor(slice)
                      : item->Poll();
         } catch (...) {
           error = std::current_exception();
@@ -234,6 +250,10 @@ void CompletionDetectors::Run(Detector* self) {
     st.completing -= finished.size();
     st.pending -= finished.size();
     if (!finished.empty()) st.changed.notify_all();
+    if (st.dropped) {  // Stop() stopped waiting: destroy nothing, Python may be finalizing
+      for (auto& entry : finished) (void)entry.first.release();
+      break;
+    }
     lock.unlock();
     // Released outside the lock: dropping a tensor's last reference may take the GIL. Not counted
     // in `completing`, so PrepareFork (on a thread holding the GIL in os.fork) never waits for it.
@@ -256,7 +276,6 @@ void CompletionDetectors::Run(Detector* self) {
     }
     if (st.stopping) break;  // the final rounds found nothing more that is done
     if (block) continue;     // the blocking wait itself was the pause
-    self->notified = false;
     if (self->cv.wait_for(lock, backoff, [&] { return self->notified; })) ++st.notified_wakeups;
     backoff = std::min(backoff * 2, kMaxBackoff);
   }
@@ -281,6 +300,7 @@ void CompletionDetectors::Stop(std::chrono::steady_clock::time_point deadline) {
     st.changed.wait_until(lock, deadline,
                           [&] { return st.detectors.empty() && st.completing == 0; });
     st.dropped = true;
+    st.abandoned = true;
     for (auto& [name, key] : st.keys) {
       for (auto& item : key->items) dropped.push_back(item.release());
     }
@@ -331,7 +351,7 @@ int64_t CompletionDetectors::MaxThreads() const {
 void CompletionDetectors::SetIdleExitMs(int64_t ms) {
   if (ms < 1) throw std::invalid_argument("the idle time before a detector exits must be >= 1 ms");
   std::lock_guard<std::mutex> lock(state_->mu);
-  state_->idle_exit_ms = ms;
+  state_->idle_exit_ms = std::min(ms, kMaxTimeoutMs);  // past it: never (clock arithmetic)
   WakeIdleLocked();  // idle ones restart their wait with the new time
 }
 

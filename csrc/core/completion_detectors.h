@@ -8,11 +8,12 @@
 //
 // Threads ("detectors", named dtorch-detect): at most one per active key, up to a cap per process
 // (SetMaxThreads; 32 by default), beyond which keys share detectors (a new key goes to the
-// detector serving the fewest). A key is active while it has completions queued or being
-// completed; a submission to an active key wakes nobody, one to an inactive key wakes only the
-// detector it is given to. A detector serving one key whose oldest completion can block
-// (PendingCompletion::CanBlock: a backend registered a blocking wait) sleeps in that wait, in
-// slices of kBlockingSliceMs; otherwise it polls its keys' oldest completions with an exponential
+// detector serving the fewest, not blocked if possible). A key is active while it has completions
+// queued or being completed; a submission to an active key wakes nobody, one to an inactive key
+// wakes only the detector it is given to. A detector serving one key whose oldest completion can
+// block (PendingCompletion::CanBlock: a backend registered a blocking wait) sleeps in that wait, in
+// slices of kBlockingSliceMs (kBlockingSliceAtCapMs at the cap: a key given to it meanwhile waits
+// for the slice to end); otherwise it polls its keys' oldest completions with an exponential
 // back-off (20 us .. 1 ms). A detector with no key exits after the idle time (SetIdleExitMs).
 //
 // Exit (Stop, called by the library's exit handler within one deadline): detectors complete what
@@ -45,8 +46,8 @@ class PendingCompletion {
   virtual bool Poll() = 0;
   // Whether WaitFor blocks in the backend without spinning until the work is done.
   virtual bool CanBlock() const { return false; }
-  // Blocks up to `timeout` (or as long as the backend cannot bound its wait) for the work; returns
-  // whether it finished. Called only when CanBlock(). May throw (a device error).
+  // Blocks until the work has finished or `timeout` has passed; returns whether it finished.
+  // Called only when CanBlock(). May throw (a device error).
   virtual bool WaitFor(std::chrono::microseconds timeout) { return Poll(); }
   // Called exactly once: with nullptr when the work finished, with the exception Poll()/WaitFor()
   // threw, or with a FutureError (kDroppedAtExit, kDroppedAtFork) when the value will never be
@@ -61,6 +62,7 @@ class CompletionDetectors {
   static constexpr size_t kDefaultMaxThreads = 32;
   static constexpr int64_t kDefaultIdleExitMs = 2000;
   static constexpr int64_t kBlockingSliceMs = 50;
+  static constexpr int64_t kBlockingSliceAtCapMs = 5;
 
   static CompletionDetectors& Instance();
 
@@ -87,8 +89,9 @@ class CompletionDetectors {
   void FailThreadStartsForTesting(int count);
 
   // Exit: detectors complete what is done and exit; at `deadline` whatever is still pending is
-  // completed with kDroppedAtExit (here, on the calling thread). A detector still inside a Poll or
-  // WaitFor then is abandoned: it completes nothing more. Idempotent.
+  // completed with kDroppedAtExit (here, on the calling thread). A detector still busy then is
+  // abandoned: it completes only what it had already taken off its keys, polls nothing more and
+  // destroys nothing. Idempotent.
   void Stop(std::chrono::steady_clock::time_point deadline);
 
   // pthread_atfork handlers (registered by the library's lifecycle, core/library_threads.h).

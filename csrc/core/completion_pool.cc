@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "boost_config.h"
+#include "fork_generation.h"
 
 #include <boost/asio/post.hpp>
 #include <boost/asio/strand.hpp>
@@ -27,12 +28,10 @@ struct CompletionPool::State {
   size_t outstanding = 0;  // posted, not yet finished
   bool stopped = false;
 
-  // `work` wrapped so that the pool knows when it is done.
-  Work Counted(Work work) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      ++outstanding;
-    }
+  // Counts `work` as outstanding and wraps it so that the pool knows when it is done. Called with
+  // mu held, after checking that the pool has not stopped: Stop() then waits for it.
+  Work CountedLocked(Work work) {
+    ++outstanding;
     return [this, work = std::move(work)] {
       try {
         work();
@@ -47,6 +46,7 @@ struct CompletionPool::State {
 
 struct CompletionPool::Strand::Impl {
   State* state;
+  uint64_t fork_generation;  // a strand of the parent's pool does not exist in a fork child
   boost::asio::strand<boost::asio::thread_pool::executor_type> strand;
 };
 
@@ -68,12 +68,13 @@ CompletionPool::State& CompletionPool::StartedLocked() {
   auto* pool = new boost::asio::thread_pool(0);
   for (int64_t i = 0; i < st.threads; ++i) {
     try {
-      std::thread([&st, pool] {
-        pthread_setname_np(pthread_self(), kThreadName);
+      std::thread thread([&st, pool] {
         pool->attach();  // runs posted work until the pool is stopped
         std::lock_guard<std::mutex> lock(st.mu);
         --st.running;
-      }).detach();
+      });
+      pthread_setname_np(thread.native_handle(), kThreadName);  // counted by name at once
+      thread.detach();
       ++st.running;
     } catch (const std::system_error&) {
       if (st.running > 0) break;  // fewer threads, but the work runs
@@ -89,26 +90,31 @@ CompletionPool::State& CompletionPool::StartedLocked() {
 void CompletionPool::Post(Work work) {
   std::unique_lock<std::mutex> lock(state_->mu);
   State& st = StartedLocked();
+  Work counted = st.CountedLocked(std::move(work));
   lock.unlock();
-  boost::asio::post(*st.pool, st.Counted(std::move(work)));
+  boost::asio::post(*st.pool, std::move(counted));
 }
 
 CompletionPool::Strand CompletionPool::MakeStrand() {
   std::lock_guard<std::mutex> lock(state_->mu);
   State& st = StartedLocked();
-  return Strand(std::make_shared<Strand::Impl>(
-      Strand::Impl{&st, boost::asio::make_strand(st.pool->get_executor())}));
+  return Strand(std::make_shared<Strand::Impl>(Strand::Impl{
+      &st, ForkGeneration(), boost::asio::make_strand(st.pool->get_executor())}));
 }
 
 void CompletionPool::Strand::Post(Work work) const {
-  State& st = *impl_->state;
-  {
-    std::lock_guard<std::mutex> lock(st.mu);
-    if (st.stopped) {
-      throw std::runtime_error("dtorch: the completion pool has stopped (process exit)");
-    }
+  if (impl_->fork_generation != ForkGeneration()) {
+    throw std::logic_error("dtorch: this strand belongs to the parent process's completion pool; "
+                           "make a new one after fork");
   }
-  boost::asio::post(impl_->strand, st.Counted(std::move(work)));
+  State& st = *impl_->state;
+  std::unique_lock<std::mutex> lock(st.mu);
+  if (st.stopped) {
+    throw std::runtime_error("dtorch: the completion pool has stopped (process exit)");
+  }
+  Work counted = st.CountedLocked(std::move(work));
+  lock.unlock();
+  boost::asio::post(impl_->strand, std::move(counted));
 }
 
 void CompletionPool::SetThreads(int64_t count) {

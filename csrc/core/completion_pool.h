@@ -32,7 +32,8 @@ class CompletionPool {
   using Work = std::function<void()>;
 
   // Runs work in order, one at a time, on the pool's threads. Cheap to copy; all copies are one
-  // strand. Must not be used across fork (make a new one in the child).
+  // strand. Post throws std::logic_error in a fork child (make a new strand there) and
+  // std::runtime_error after Stop.
   class Strand {
    public:
     void Post(Work work) const;

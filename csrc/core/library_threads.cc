@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -10,6 +11,7 @@
 #include "completion_detectors.h"
 #include "completion_pool.h"
 #include "fork_generation.h"
+#include "shared_state.h"  // kMaxTimeoutMs
 
 namespace dtorch::core {
 namespace {
@@ -29,9 +31,10 @@ void AfterForkInParent() {
 }
 
 void AfterForkInChild() {
-  IncrementForkGenerationInChild();
+  BeginForkChildHandler();
   CompletionPool::Instance().AfterForkInChild();
   CompletionDetectors::Instance().AfterForkInChild();
+  EndForkChildHandler();
 }
 
 const bool process_handlers_installed = [] {
@@ -50,7 +53,7 @@ LibraryThreadCounts CountLibraryThreads() {
 
 void SetExitTimeoutMs(int64_t ms) {
   if (ms < 0) throw std::invalid_argument("the exit timeout must be >= 0 ms");
-  exit_timeout_ms = ms;
+  exit_timeout_ms = std::min(ms, kMaxTimeoutMs);  // past it: never (clock arithmetic)
 }
 
 int64_t ExitTimeoutMs() { return exit_timeout_ms.load(); }

@@ -1,5 +1,7 @@
 #include "ready_notifier.h"
 
+#include "fork_generation.h"
+
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -24,7 +26,7 @@ ReadyNotifier::~ReadyNotifier() { ::close(fd_); }
 
 void ReadyNotifier::Post(int64_t token) noexcept {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = LockSurvivingFork(mu_);
     tokens_.push_back(token);
   }
   const uint64_t one = 1;

@@ -17,7 +17,9 @@
 // Fork: a child process inherits the state but not the threads that waited on it. glibc's
 // pthread_cond_broadcast waits for the waiters it wakes to leave their wait, so completing a state
 // in the child would hang on a waiter that only existed in the parent: the condition variable of a
-// state that had waiters in an earlier fork generation is re-initialised before its next use.
+// state that had waiters in an earlier fork generation is re-initialised before its next use. Its
+// mutex, if a thread of the parent held it at fork, is re-initialised by the library's fork child
+// handler when that fails the state (LockSurvivingFork).
 #pragma once
 
 #include <algorithm>
@@ -55,7 +57,7 @@ class SharedState {
     std::vector<Callback> callbacks;
     bool wake;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      auto lock = LockSurvivingFork(mu_);
       ThrowIfCompleteLocked();
       value_.emplace(std::move(value));
       ready_ = true;
@@ -80,7 +82,7 @@ class SharedState {
     std::vector<Callback> callbacks;
     bool wake;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      auto lock = LockSurvivingFork(mu_);
       if (ready_) return false;
       error_code_ = code;
       error_detail_ = std::move(detail);
@@ -96,7 +98,7 @@ class SharedState {
   // Blocks until complete, then consumes the value (or throws the stored error, consuming it).
   // Of several threads blocked here, one gets the value and the others kNoState.
   T Take() {
-    std::unique_lock<std::mutex> lock(mu_);
+    auto lock = LockSurvivingFork(mu_);
     ThrowIfRetrievedLocked();
     WaitingLocked waiting(*this);
     cv_.wait(lock, [this] { return ready_; });
@@ -107,7 +109,7 @@ class SharedState {
   // Blocks for up to timeout_ms (0 = poll; clamped to kMaxTimeoutMs); returns whether the state
   // is complete. Never consumes.
   bool WaitFor(int64_t timeout_ms) const {
-    std::unique_lock<std::mutex> lock(mu_);
+    auto lock = LockSurvivingFork(mu_);
     ThrowIfRetrievedLocked();
     if (ready_ || timeout_ms <= 0) return ready_;  // a poll: no timed wait (a syscall) at all
     const auto timeout = std::chrono::milliseconds(std::min(timeout_ms, kMaxTimeoutMs));
@@ -117,19 +119,19 @@ class SharedState {
 
 
   bool IsReady() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = LockSurvivingFork(mu_);
     return ready_ && !retrieved_;
   }
 
   bool Valid() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    auto lock = LockSurvivingFork(mu_);
     return !retrieved_;
   }
 
   // Runs `callback` once the state is complete (at once, here, if it already is).
   void OnReady(Callback callback) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      auto lock = LockSurvivingFork(mu_);
       if (!ready_) {
         callbacks_.push_back(std::move(callback));
         return;

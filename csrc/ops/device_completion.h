@@ -28,8 +28,9 @@ using DeviceDoneCallback = std::function<void(const std::optional<core::FutureEr
 // lives until it has run (and is leaked if the value is dropped at exit or fork).
 void AfterCurrentStreamWork(const c10::Device& device, DeviceDoneCallback on_done);
 
-// A device type's blocking wait: blocks until `event` has completed or `timeout` has passed
-// (a backend that cannot bound its wait may block longer) and returns whether it completed;
+// A device type's blocking wait: blocks until `event` has completed or `timeout` has passed,
+// whichever comes first (a detector serving several streams relies on it), and returns whether it
+// completed;
 // throws, as c10::Event::query() does, when the device reported an error. It must sleep, not
 // spin: it is what lets a detector wait for a stream without polling. Called on a detector
 // thread whose current device is the event's.

@@ -27,6 +27,7 @@
 #include <c10/core/Device.h>
 #include <torch/custom_class.h>
 
+#include "../core/fork_generation.h"
 #include "../core/promise_future.h"
 #include "../core/ready_notifier.h"
 
@@ -167,7 +168,11 @@ template <typename Waitable>
 void NotifyWhenReady(const c10::intrusive_ptr<Waitable>& waitable,
                      const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
   TORCH_CHECK(notifier, "dtorch: notify_when_ready needs a ReadyNotifier, got None");
-  waitable->OnReady([weak = std::weak_ptr<core::ReadyNotifier>(notifier->core()), token] {
+  // An event loop belongs to the process that registered it: a value failed in a fork child does
+  // not post to the parent's loop (the eventfd is shared between them).
+  waitable->OnReady([weak = std::weak_ptr<core::ReadyNotifier>(notifier->core()), token,
+                     generation = core::ForkGeneration()] {
+    if (generation != core::ForkGeneration()) return;
     if (const auto core = weak.lock()) core->Post(token);
   });
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <dirent.h>
+#include <signal.h>
 #include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -279,6 +280,18 @@ static void TestDetectorsOnePerKeyInOrder() {
 
 static void TestDetectorsCapSharesThreads() {
   auto& detectors = CompletionDetectors::Instance();
+  detectors.SetIdleExitMs(60'000);
+  {  // five idle detectors, then the cap is lowered below them
+    FakeDevice idle_device;
+    Outcomes idle_out;
+    for (int k = 0; k < 5; ++k) {
+      detectors.Submit("before" + std::to_string(k),
+                       std::make_unique<TicketCompletion>(&idle_device, 1, &idle_out));
+    }
+    CHECK(detectors.ThreadCount() == 5);
+    idle_device.Advance(1);
+    CHECK(WaitUntil([&] { return detectors.ActiveKeys() == 0; }));
+  }
   detectors.SetMaxThreads(3);
   constexpr int kKeys = 20;
   FakeDevice device;
@@ -289,7 +302,9 @@ static void TestDetectorsCapSharesThreads() {
                        std::make_unique<TicketCompletion>(&device, i + 1, &outcomes[k]));
     }
   }
-  CHECK(detectors.ThreadCount() == 3 && detectors.ActiveKeys() == kKeys);
+  CHECK(detectors.ActiveKeys() == kKeys);
+  CHECK(WaitUntil([&] { return detectors.ThreadCount() <= 3; }));  // the idle ones beyond it exit
+  CHECK(detectors.ThreadCount() >= 1);
   for (int step = 1; step <= 50; step += 7) device.Advance(step);  // in several steps
   device.Advance(50);
   CHECK(WaitUntil([&] { return detectors.PendingCount() == 0; }));
@@ -300,6 +315,7 @@ static void TestDetectorsCapSharesThreads() {
     for (int i = 0; i < 50; ++i) CHECK(out.completed[i] == i + 1);
   }
   detectors.SetMaxThreads(CompletionDetectors::kDefaultMaxThreads);
+  detectors.SetIdleExitMs(200);
   CHECK(WaitUntil([&] { return detectors.ThreadCount() == 0; }));
   ++g_passed;
 }
@@ -309,18 +325,20 @@ static void TestSubmissionWakesOnlyItsDetector() {
   detectors.SetIdleExitMs(60'000);  // four idle detectors stay
   FakeDevice device;
   Outcomes out;
-  for (int k = 0; k < 4; ++k) {
-    detectors.Submit("idle" + std::to_string(k), std::make_unique<TicketCompletion>(&device, 0, &out));
+  for (int k = 0; k < 4; ++k) {  // all four pending at once: four detectors
+    detectors.Submit("idle" + std::to_string(k), std::make_unique<TicketCompletion>(&device, 1, &out));
   }
+  CHECK(detectors.ThreadCount() == 4);
+  device.Advance(1);
   CHECK(WaitUntil([&] { return detectors.ActiveKeys() == 0; }));
   CHECK(detectors.ThreadCount() == 4);
   std::this_thread::sleep_for(20ms);  // all four are in their idle wait
   const uint64_t before = detectors.NotifiedWakeups();
-  detectors.Submit("busy", std::make_unique<TicketCompletion>(&device, 1, &out, false, true));
+  detectors.Submit("busy", std::make_unique<TicketCompletion>(&device, 2, &out, false, true));
   CHECK(WaitUntil([&] { return device.blocking_waits > 0; }));
   CHECK(detectors.NotifiedWakeups() == before + 1);  // one idle detector took the key
   for (int i = 0; i < 100; ++i) {  // an active key: nobody is woken
-    detectors.Submit("busy", std::make_unique<TicketCompletion>(&device, 1, &out, false, true));
+    detectors.Submit("busy", std::make_unique<TicketCompletion>(&device, 2, &out, false, true));
   }
   std::this_thread::sleep_for(20ms);
   CHECK(detectors.NotifiedWakeups() == before + 1);
@@ -330,7 +348,7 @@ static void TestSubmissionWakesOnlyItsDetector() {
   std::this_thread::sleep_for(200ms);
   CHECK(device.polls - polls <= 2);
   CHECK(device.blocking_waits >= 1 && device.blocking_waits <= 10);
-  device.Advance(1);
+  device.Advance(2);
   CHECK(WaitUntil([&] { return detectors.PendingCount() == 0; }));
   {
     std::lock_guard<std::mutex> lock(out.mu);
@@ -358,6 +376,22 @@ static void TestFailedThreadStartQueuesNothing() {
   ++g_passed;
 }
 
+// Completes `promise` with 1 once the device reaches 1, or with the error it is given.
+struct PromiseCompletion final : PendingCompletion {
+  PromiseCompletion(FakeDevice* d, MemoryPromise<int>* p) : device(d), promise(p) {}
+  bool Poll() override { return device->Reached(1); }
+  void Complete(std::exception_ptr error) noexcept override {
+    if (!error) return promise->SetValue(1);
+    try {
+      std::rethrow_exception(error);
+    } catch (const FutureError& e) {
+      promise->SetError(e.code(), e.detail());
+    }
+  }
+  FakeDevice* device;
+  MemoryPromise<int>* promise;
+};
+
 // A forked child: the parent's pending values fail there (also one a parent thread was blocked on),
 // and the detectors work there for new values.
 static void TestFork() {
@@ -365,20 +399,6 @@ static void TestFork() {
   FakeDevice device;
   MemoryPromise<int> promise;
   auto future = promise.GetFuture();
-  struct PromiseCompletion final : PendingCompletion {
-    PromiseCompletion(FakeDevice* d, MemoryPromise<int>* p) : device(d), promise(p) {}
-    bool Poll() override { return device->Reached(1); }
-    void Complete(std::exception_ptr error) noexcept override {
-      if (!error) return promise->SetValue(1);
-      try {
-        std::rethrow_exception(error);
-      } catch (const FutureError& e) {
-        promise->SetError(e.code(), e.detail());
-      }
-    }
-    FakeDevice* device;
-    MemoryPromise<int>* promise;
-  };
   detectors.Submit("parent", std::make_unique<PromiseCompletion>(&device, &promise));
   std::thread waiter([&] { CHECK(future->WaitFor(10'000)); });  // blocked across the fork
   std::this_thread::sleep_for(50ms);
@@ -412,6 +432,51 @@ static void TestFork() {
   device.Advance(1);
   waiter.join();
   CHECK(future->Get() == 1);
+  ++g_passed;
+}
+
+// A parent thread keeps taking the lock of a pending value while the process forks: a child must
+// never hang failing that value (its lock may be held by a thread that does not exist there).
+static void TestForkWhileAWaiterHoldsTheLock() {
+  auto& detectors = CompletionDetectors::Instance();
+  FakeDevice device;
+  MemoryPromise<int> promise;
+  auto future = promise.GetFuture();
+  detectors.Submit("locked", std::make_unique<PromiseCompletion>(&device, &promise));
+  std::atomic<bool> stop{false};
+  std::thread poller([&] {
+    while (!stop) future->WaitFor(0);
+  });
+  int hung = 0;
+  for (int i = 0; i < 50; ++i) {
+    const pid_t pid = ::fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+      bool dropped = false;
+      try {
+        future->Get();
+      } catch (const FutureError& e) {
+        dropped = e.code() == FutureErrc::kDroppedAtFork;
+      }
+      std::_Exit(dropped ? 0 : 1);
+    }
+    int status = 0;
+    bool exited = false;  // (the predicate runs again after it held: reap once)
+    WaitUntil([&] { return exited || (exited = ::waitpid(pid, &status, WNOHANG) == pid); }, 5s);
+    if (!exited) {
+      ++hung;
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+    } else {
+      CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+  }
+  stop = true;
+  poller.join();
+  CHECK(hung == 0);
+  device.Advance(1);  // the parent's value completes as usual
+  CHECK(future->Get() == 1);
+  CHECK(WaitUntil([&] { return detectors.PendingCount() == 0; }));
   ++g_passed;
 }
 
@@ -565,6 +630,7 @@ int main() {
   TestSubmissionWakesOnlyItsDetector();
   TestFailedThreadStartQueuesNothing();
   TestFork();
+  TestForkWhileAWaiterHoldsTheLock();
   TestPool();
   TestStopAtExit();
   std::printf("core tests: %d passed\n", g_passed);
