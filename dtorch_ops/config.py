@@ -34,7 +34,7 @@ class _LibrarySetting:
 
             if math.isnan(native):
                 raise ValueError(f"dtorch_ops.config.{self._name} must be a number, got nan")
-            native = math.ceil(native) if native < 2**62 else 2**62
+            native = math.ceil(min(max(native, -1), 2**62))  # +-inf: the library judges
         try:
             self._set(int(native))
         except ValueError as e:

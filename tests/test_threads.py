@@ -192,6 +192,7 @@ def test_the_settings_check_their_values(settings):
                              ("detector_idle_exit_s", float("nan"), ValueError),
                              ("pool_threads", 0, ValueError),
                              ("exit_timeout_s", -1, ValueError),
+                             ("exit_timeout_s", float("-inf"), ValueError),
                              ("exit_timeout_s", "1", TypeError)]:
         before = getattr(settings, name)
         with pytest.raises(error, match=f"dtorch_ops.config.{name}"):

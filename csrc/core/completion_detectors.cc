@@ -62,6 +62,7 @@ struct CompletionDetectors::Detector {
   std::vector<Key*> keys;      // the keys it serves
   bool notified = false;
   bool blocking = false;       // inside a blocking wait: a new key would wait for the slice
+  std::chrono::steady_clock::time_point slice_end;  // of that wait
 };
 
 struct CompletionDetectors::State {
@@ -120,14 +121,18 @@ void CompletionDetectors::Submit(const std::string& key,
 void CompletionDetectors::AssignLocked(Key& key) {
   State& st = *state_;
   const auto alive = static_cast<int64_t>(st.detectors.size());
+  // Not blocked first (a blocked one sees a new key when its slice ends), then the fewest keys,
+  // then the blocked one whose slice ends first.
+  const auto better = [](const Detector& a, const Detector& b) {
+    if (a.blocking != b.blocking) return !a.blocking;
+    if (a.keys.size() != b.keys.size()) return a.keys.size() < b.keys.size();
+    return a.blocking && a.slice_end < b.slice_end;
+  };
   const auto least_loaded = [&](bool busy_only) {
     Detector* chosen = nullptr;
     for (auto& detector : st.detectors) {
       if (busy_only && detector->keys.empty()) continue;
-      if (chosen == nullptr || std::make_pair(detector->blocking, detector->keys.size()) <
-                                   std::make_pair(chosen->blocking, chosen->keys.size())) {
-        chosen = detector.get();
-      }
+      if (chosen == nullptr || better(*detector, *chosen)) chosen = detector.get();
     }
     return chosen;
   };
@@ -200,10 +205,7 @@ void CompletionDetectors::Run(Detector* self) {
     // takes items off its keys, so the pointers stay valid and stay the oldest meanwhile.
     const bool block = !st.stopping && self->keys.size() == 1 &&
                        self->keys.front()->items.front()->CanBlock();
-    // At the cap a new stream may be given to this detector while it blocks: shorter slices.
-    const auto slice = static_cast<int64_t>(st.detectors.size()) >= st.max_threads
-                           ? std::chrono::milliseconds(kBlockingSliceAtCapMs)
-                           : std::chrono::milliseconds(kBlockingSliceMs);
+    const auto slice = std::chrono::milliseconds(kBlockingSliceMs);
     self->notified = false;  // a key given during the round ends the back-off below at once
     probes.clear();
     for (Key* key : self->keys) {
@@ -214,6 +216,7 @@ void CompletionDetectors::Run(Detector* self) {
       probes.push_back(std::move(probe));
     }
     self->blocking = block;
+    self->slice_end = std::chrono::steady_clock::now() + slice;
     lock.unlock();
     for (Probe& probe : probes) {
       for (PendingCompletion* item : probe.items) {

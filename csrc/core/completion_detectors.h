@@ -12,9 +12,10 @@
 // queued or being completed; a submission to an active key wakes nobody, one to an inactive key
 // wakes only the detector it is given to. A detector serving one key whose oldest completion can
 // block (PendingCompletion::CanBlock: a backend registered a blocking wait) sleeps in that wait, in
-// slices of kBlockingSliceMs (kBlockingSliceAtCapMs at the cap: a key given to it meanwhile waits
-// for the slice to end); otherwise it polls its keys' oldest completions with an exponential
-// back-off (20 us .. 1 ms). A detector with no key exits after the idle time (SetIdleExitMs).
+// slices of kBlockingSliceMs (at the cap, a key given to a blocked detector, the one whose slice
+// ends first, waits for that); otherwise it polls its keys' oldest completions with an
+// exponential back-off (20 us .. 1 ms). A detector with no key exits after the idle time
+// (SetIdleExitMs).
 //
 // Exit (Stop, called by the library's exit handler within one deadline): detectors complete what
 // is already done and exit; every completion still pending then gets FutureError
@@ -61,8 +62,9 @@ class CompletionDetectors {
   static constexpr const char* kThreadName = "dtorch-detect";  // at most 15 characters
   static constexpr size_t kDefaultMaxThreads = 32;
   static constexpr int64_t kDefaultIdleExitMs = 2000;
-  static constexpr int64_t kBlockingSliceMs = 50;
-  static constexpr int64_t kBlockingSliceAtCapMs = 5;
+  // A blocking wait's slice: how long a key given to a detector in such a wait (at the cap) may
+  // wait for it to notice, and how often a blocked detector wakes (100/s: ~0.1 % of a core).
+  static constexpr int64_t kBlockingSliceMs = 10;
 
   static CompletionDetectors& Instance();
 

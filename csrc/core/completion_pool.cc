@@ -98,8 +98,13 @@ void CompletionPool::Post(Work work) {
 CompletionPool::Strand CompletionPool::MakeStrand() {
   std::lock_guard<std::mutex> lock(state_->mu);
   State& st = StartedLocked();
-  return Strand(std::make_shared<Strand::Impl>(Strand::Impl{
-      &st, ForkGeneration(), boost::asio::make_strand(st.pool->get_executor())}));
+  // A strand of the parent's pool is leaked in a fork child: destroying it would lock the parent's
+  // Asio service, whose mutex a parent pool thread may have held at fork.
+  return Strand(std::shared_ptr<Strand::Impl>(
+      new Strand::Impl{&st, ForkGeneration(), boost::asio::make_strand(st.pool->get_executor())},
+      [](Strand::Impl* impl) {
+        if (impl->fork_generation == ForkGeneration()) delete impl;
+      }));
 }
 
 void CompletionPool::Strand::Post(Work work) const {

@@ -27,12 +27,12 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <optional>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "fork_generation.h"
 #include "future_error.h"
@@ -54,14 +54,14 @@ class SharedState {
 
   // Completes with a value. Throws kPromiseAlreadySatisfied if already complete.
   void SetValue(T value) {
-    std::vector<Callback> callbacks;
+    CallbackNode* callbacks;
     bool wake;
     {
       auto lock = LockSurvivingFork(mu_);
       ThrowIfCompleteLocked();
       value_.emplace(std::move(value));
       ready_ = true;
-      callbacks.swap(callbacks_);
+      callbacks = TakeCallbacksLocked();
       wake = HasWaitersLocked();
     }
     if (wake) cv_.notify_all();
@@ -79,7 +79,7 @@ class SharedState {
   // Completes with an error unless already complete; returns whether it did. Used to break a
   // promise on destruction, which must never throw.
   bool TrySetError(FutureErrc code, std::string detail) noexcept {
-    std::vector<Callback> callbacks;
+    CallbackNode* callbacks;
     bool wake;
     {
       auto lock = LockSurvivingFork(mu_);
@@ -87,7 +87,7 @@ class SharedState {
       error_code_ = code;
       error_detail_ = std::move(detail);
       ready_ = true;
-      callbacks.swap(callbacks_);
+      callbacks = TakeCallbacksLocked();
       wake = HasWaitersLocked();
     }
     if (wake) cv_.notify_all();
@@ -130,15 +130,19 @@ class SharedState {
 
   // Runs `callback` once the state is complete (at once, here, if it already is).
   void OnReady(Callback callback) {
+    auto node = std::make_unique<CallbackNode>(CallbackNode{std::move(callback), nullptr});
     {
       auto lock = LockSurvivingFork(mu_);
       if (!ready_) {
-        callbacks_.push_back(std::move(callback));
+        *callbacks_tail_ = node.get();
+        callbacks_tail_ = &node.release()->next;
         return;
       }
     }
-    RunCallbacks({std::move(callback)});
+    RunCallbacks(node.release());
   }
+
+  ~SharedState() { RunCallbacks(TakeCallbacksLocked(), /*run=*/false); }
 
  private:
   void ThrowIfCompleteLocked() const {
@@ -193,10 +197,29 @@ class SharedState {
     return value;
   }
 
-  static void RunCallbacks(const std::vector<Callback>& callbacks) noexcept {
-    for (const auto& callback : callbacks) {
+  // The callbacks are a list whose nodes are allocated before mu_ is taken: the locked part of
+  // OnReady is two pointer writes, so a fork child handler that re-initialises mu_ (held by a
+  // thread of the parent) never finds the list half-changed, as it could a growing vector.
+  struct CallbackNode {
+    Callback callback;
+    CallbackNode* next;
+  };
+
+  CallbackNode* TakeCallbacksLocked() {
+    CallbackNode* list = callbacks_head_;
+    callbacks_head_ = nullptr;
+    callbacks_tail_ = &callbacks_head_;
+    return list;
+  }
+
+  // Runs (unless !run) and frees the callbacks of `list`, in registration order.
+  static void RunCallbacks(CallbackNode* list, bool run = true) noexcept {
+    while (list != nullptr) {
+      std::unique_ptr<CallbackNode> node(list);
+      list = node->next;
+      if (!run) continue;
       try {
-        callback();
+        node->callback();
       } catch (...) {
         // A waiter's callback must not break the producer; the state is already complete.
       }
@@ -212,7 +235,8 @@ class SharedState {
   std::optional<T> value_;                 // guarded by mu_
   std::optional<FutureErrc> error_code_;   // guarded by mu_
   std::string error_detail_;               // guarded by mu_
-  std::vector<Callback> callbacks_;        // guarded by mu_
+  CallbackNode* callbacks_head_ = nullptr;              // guarded by mu_
+  CallbackNode** callbacks_tail_ = &callbacks_head_;   // guarded by mu_
 };
 
 }  // namespace dtorch::core
