@@ -32,8 +32,8 @@ std::exception_ptr Dropped(FutureErrc code) {
   const char* detail =
       code == FutureErrc::kDroppedAtExit
           ? "the value was still pending when dtorch_ops stopped its threads at process exit; "
-            "wait for it before exit (or before an atexit handler registered after dtorch_ops "
-            "was imported has run)"
+            "wait for it before the program exits, or in an atexit handler registered after "
+            "dtorch_ops was imported (those run before the library stops)"
           : "the value was pending in the parent process when it forked, and device work does "
             "not survive fork; get it in the parent, or start workers with the 'spawn' method";
   return std::make_exception_ptr(FutureError(code, detail));
