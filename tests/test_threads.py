@@ -12,7 +12,7 @@ import torch
 
 import dtorch_ops
 from dtorch_ops import _C
-from conftest import WAIT_MS, detector_threads, threads_named
+from conftest import WAIT_MS, detector_threads
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
