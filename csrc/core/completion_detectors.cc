@@ -54,7 +54,6 @@ struct CompletionDetectors::Key {
   const std::string name;
   std::deque<std::unique_ptr<PendingCompletion>> items;
   Detector* detector = nullptr;  // the one serving this key, for as long as the key is active
-  bool busy = false;             // the detector examines or completes its items outside the lock
 };
 
 struct CompletionDetectors::Detector {
@@ -77,8 +76,9 @@ struct CompletionDetectors::State {
   size_t completing = 0;  // inside Complete() on a detector, outside mu
   uint64_t notified_wakeups = 0;
   bool stopping = false;  // Stop() began: no new values, detectors finish what is done
-  bool dropped = false;   // Stop() dropped what was pending: detectors touch nothing more
-  std::atomic<bool> abandoned{false};  // = dropped, read without mu between polls
+  // Stop() dropped what was pending: detectors touch nothing more. Set under mu; also read
+  // without it between polls.
+  std::atomic<bool> dropped{false};
   int fail_thread_starts_for_testing = 0;
 };
 
@@ -209,7 +209,6 @@ void CompletionDetectors::Run(Detector* self) {
     self->notified = false;  // a key given during the round ends the back-off below at once
     probes.clear();
     for (Key* key : self->keys) {
-      key->busy = true;
       Probe probe{key, {}, {}};
       const size_t n = std::min(key->items.size(), kBatch);
       for (size_t i = 0; i < n; ++i) probe.items.push_back(key->items[i].get());
@@ -220,7 +219,7 @@ void CompletionDetectors::Run(Detector* self) {
     lock.unlock();
     for (Probe& probe : probes) {
       for (PendingCompletion* item : probe.items) {
-        if (st.abandoned.load()) break;  // Stop() failed these already
+        if (st.dropped) break;  // Stop() failed these already
         std::exception_ptr error;
         bool done;
         try {
@@ -265,7 +264,6 @@ void CompletionDetectors::Run(Detector* self) {
     if (st.dropped) break;  // Stop() timed out meanwhile and destroyed the keys
     for (Probe& probe : probes) {
       Key* key = probe.key;
-      key->busy = false;
       if (key->items.empty()) {  // inactive: the next submission assigns it afresh
         self->keys.erase(std::find(self->keys.begin(), self->keys.end(), key));
         st.keys.erase(key->name);
@@ -303,7 +301,6 @@ void CompletionDetectors::Stop(std::chrono::steady_clock::time_point deadline) {
     st.changed.wait_until(lock, deadline,
                           [&] { return st.detectors.empty() && st.completing == 0; });
     st.dropped = true;
-    st.abandoned = true;
     for (auto& [name, key] : st.keys) {
       for (auto& item : key->items) dropped.push_back(item.release());
     }

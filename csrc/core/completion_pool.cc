@@ -28,9 +28,14 @@ struct CompletionPool::State {
   size_t outstanding = 0;  // posted, not yet finished
   bool stopped = false;
 
-  // Counts `work` as outstanding and wraps it so that the pool knows when it is done. Called with
-  // mu held, after checking that the pool has not stopped: Stop() then waits for it.
+  void ThrowIfStoppedLocked() const {
+    if (stopped) throw std::runtime_error("dtorch: the completion pool has stopped (process exit)");
+  }
+
+  // Counts `work` as outstanding (Stop() waits for it) and wraps it so that the pool knows when it
+  // is done. Throws after Stop().
   Work CountedLocked(Work work) {
+    ThrowIfStoppedLocked();
     ++outstanding;
     return [this, work = std::move(work)] {
       try {
@@ -60,9 +65,7 @@ CompletionPool& CompletionPool::Instance() {
 
 CompletionPool::State& CompletionPool::StartedLocked() {
   State& st = *state_;
-  if (st.stopped) {
-    throw std::runtime_error("dtorch: the completion pool has stopped (process exit)");
-  }
+  st.ThrowIfStoppedLocked();
   if (st.pool != nullptr) return st;
   // No threads of Asio's own: the library's named threads attach themselves.
   auto* pool = new boost::asio::thread_pool(0);
@@ -114,9 +117,6 @@ void CompletionPool::Strand::Post(Work work) const {
   }
   State& st = *impl_->state;
   std::unique_lock<std::mutex> lock(st.mu);
-  if (st.stopped) {
-    throw std::runtime_error("dtorch: the completion pool has stopped (process exit)");
-  }
   Work counted = st.CountedLocked(std::move(work));
   lock.unlock();
   boost::asio::post(impl_->strand, std::move(counted));
