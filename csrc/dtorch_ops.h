@@ -5,8 +5,11 @@
 //                                  yields t (no copy) once the work producing it has finished
 //   dtorch::GetTensor(t, promise)  fulfils `promise` with t the same way
 //   dtorch::ToTorchAsync(t), dtorch::ToTorch(t)   aliases: GetTensorAsync(t), GetTensorAsync(t)->Get()
-//   dtorch::TensorPromise(kind)    producer end ("memory": same process): SetValue, SetException,
-//                                  GetFuture (once)
+//   dtorch::TensorPromise(kind)    producer end ("memory": same process; "file": processes of
+//                                  one host): SetValue, SetException, GetFuture (once), Serialize
+//   dtorch::CreateTensorPromiseFromSerialized(s)  a file promise another process serialized
+//                                  (attaches to its pair on first use)
+//   dtorch::TensorPromiseFor(t, per_device_per_process)  a promise of PromiseKindFor's kind
 //   dtorch::TensorFuture           consumer end: Get() (consumes), Wait(timeout_ms) (throws
 //                                  c10::Error on timeout, stays valid), WaitFor(timeout_ms),
 //                                  IsReady(), Valid()
@@ -17,7 +20,8 @@
 //   dtorch::VoidPromise / VoidFuture           a completion signal without a value
 //
 // Errors are c10::Error with "dtorch: <cause>: <detail>" messages (e.g. "broken promise" when a
-// promise is dropped without a value).
+// promise is dropped without a value); dtorch::CodeOf(error) gives the cause's code
+// (ops/errors.h).
 //
 // Link libdtorch_ops.so (dtorch_ops.library_path()) with -Wl,--no-as-needed: its static
 // initialisers register the torch ops and classes (torch.ops.dtorch.*, torch.classes.dtorch.*),
@@ -25,5 +29,6 @@
 // (no Python). See examples/cpp/.
 #pragma once
 
+#include "ops/errors.h"
 #include "ops/get_tensor.h"  // brings in ops/futures.h
 #include "ops/sync.h"

@@ -93,8 +93,10 @@ void DefineFuture(torch::Library& m) {
   NotPicklable(HandleBasics(cls));
 }
 
-// TensorPromise / VoidPromise, constructed with their kind. set_value takes the tensor (nothing for
-// a VoidPromise). Pickling goes through serialize(): memory promises refuse.
+// TensorPromise / VoidPromise, constructed with their kind spec ("memory", "file"). set_value takes
+// the tensor (nothing for a VoidPromise). Pickling (torch.jit.save, pickle) goes through
+// serialize(): memory promises refuse; file promises attach to their pair on first use after
+// unpickling.
 template <typename T>
 void DefinePromise(torch::Library& m) {
   using P = Promise<T>;
@@ -111,12 +113,10 @@ void DefinePromise(torch::Library& m) {
       .def("get_future", &P::GetFuture)
       .def("kind", [](const c10::intrusive_ptr<P>& self) { return self->Kind(); })
       .def("serialize", &P::Serialize)
+      // The promise another process serialized; it attaches to the pair on first use.
+      .def_static("from_serialized", &P::FromSerialized)
       .def_pickle([](const c10::intrusive_ptr<P>& self) { return self->Serialize(); },
-                  [](std::string state) -> c10::intrusive_ptr<P> {
-                    TORCH_CHECK(false, "dtorch: cannot restore a ", P::kClassName, " from '",
-                                state, "': no promise kind that crosses processes is available "
-                                "in this build");
-                  });
+                  [](std::string state) { return P::FromSerialized(state); });
   HandleBasics(cls);
 }
 

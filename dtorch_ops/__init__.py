@@ -48,6 +48,14 @@ _atexit.register(_at_exit)
 _os.register_at_fork(after_in_child=_C.after_fork_in_child)
 
 from .config import config  # noqa: E402
+from . import errors  # noqa: E402
+from .errors import (  # noqa: E402
+    BrokenPromiseError,
+    FutureError,
+    FutureTimeoutError,
+    InvalidHandleError,
+    PromiseAlreadySatisfiedError,
+)
 from .futures import (  # noqa: E402
     TensorFuture,
     TensorPromise,
@@ -67,12 +75,14 @@ from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.comp
 
 
 def library_threads() -> dict:
-    """The library's threads alive now, by role: ``{"detectors": n, "pool": m}``.
+    """The library's threads alive now, by role: ``{"detectors": n, "pool": m, "doorbell": d}``.
 
     Detectors (named ``dtorch-detect`` in ``ps -L``, ``/proc``, gdb) watch device streams with
     pending values: at most one per such stream, up to ``config.max_detector_threads``; they exit
     after ``config.detector_idle_exit_s`` without work. The pool (``dtorch-pool``,
-    ``config.pool_threads``) runs long completion work and starts on its first use."""
+    ``config.pool_threads``) runs long completion work and starts on its first use. The doorbell
+    watcher (``dtorch-doorbell``, at most one) serves this process's pending file futures
+    (callbacks, ``await``, producer liveness) and exits when there are none."""
     return _C.library_threads()
 
 
@@ -91,12 +101,18 @@ def include_path() -> str:
 
 
 __all__ = [
+    "BrokenPromiseError",
+    "FutureError",
+    "FutureTimeoutError",
+    "InvalidHandleError",
+    "PromiseAlreadySatisfiedError",
     "TensorFuture",
     "TensorPromise",
     "VoidFuture",
     "VoidFutureCollect",
     "VoidPromise",
     "config",
+    "errors",
     "get_tensor",
     "include_path",
     "library_path",

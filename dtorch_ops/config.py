@@ -66,9 +66,15 @@ class Config:
         "progress and work posted to the pool, before every value still pending fails with "
         "'dropped at interpreter exit' (default 1.0).")
 
+    attach_timeout_s = _LibrarySetting(
+        _C.attach_timeout_ms, _C.set_attach_timeout_ms, float, 1000,
+        "File promises: how long a promise in flight (serialized, pickled, or inherited by a "
+        "forked child) whose creator dropped its handle waits for a producer process to attach "
+        "before its future fails with 'no producer attached' (default 30.0).")
+
     def __repr__(self):
         names = ("per_device_per_process", "max_detector_threads", "detector_idle_exit_s",
-                 "pool_threads", "exit_timeout_s")
+                 "pool_threads", "exit_timeout_s", "attach_timeout_s")
         return "dtorch_ops.Config(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 
 

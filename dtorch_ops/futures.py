@@ -359,7 +359,10 @@ class _PromiseBase:
     _HANDLE = None
     _FUTURE = _Waitable
 
-    def __init__(self, kind: str = "memory"):
+    def __init__(self, kind: str = "memory", **options):
+        """kind: "memory" (the pair lives in this process) or "file" (the promise can be sent to
+        other processes of this host: pickle it, put it in a torch.multiprocessing queue, or
+        pass serialize()'s string). Options of a kind are keyword arguments (none yet)."""
         if _is_compiling():
             _refuse_promise_in_graph(type(self).__name__)
         if isinstance(kind, torch.ScriptObject):  # wrap an existing raw promise
@@ -375,22 +378,31 @@ class _PromiseBase:
             return
         if not isinstance(kind, str):
             raise TypeError(f"kind must be a str ('memory', 'file', 'network'), got {kind!r}")
-        self._h = self._HANDLE(kind)
+        if options:
+            raise TypeError(
+                f"dtorch_ops.{type(self).__name__}(kind={kind!r}) got options "
+                f"{sorted(options)} that this kind does not take")
+        self._init_handle(self._HANDLE(kind))
+
+    def _init_handle(self, handle):
+        self._h = handle
         # Made now, not on first use: a promise passed into a compiled step must not create
         # objects while Dynamo traces it.
-        self._raw = self._h.script()
+        self._raw = handle.script()
 
     @classmethod
     def from_serialized(cls, s: str):
-        """Rebuilds a promise that another process serialized (kinds that cross processes)."""
+        """Rebuilds a promise that another process serialized (serialize(), or pickling).
+
+        The string is checked (format, names, nonce) before anything is opened; a bad one raises
+        InvalidHandleError (a ValueError). The promise attaches to its pair on first use.
+        """
         if not isinstance(s, str):
             raise TypeError(
                 f"from_serialized expects the str from serialize(), got {type(s).__name__}")
-        raise ValueError(
-            f"dtorch: cannot restore a {cls.__name__} from {s[:80]!r}: no promise kind that "
-            "crosses processes is available in this build (memory promises cannot leave the "
-            "process)"
-        )
+        promise = _new(cls)
+        promise._init_handle(cls._HANDLE.from_serialized(s))
+        return promise
 
     @property
     def raw(self):
@@ -413,7 +425,8 @@ class _PromiseBase:
         return self._h.kind()
 
     def serialize(self) -> str:
-        """A string another process can pass to from_serialized; memory promises raise."""
+        """A string another process can pass to from_serialized (file promises); memory
+        promises raise NotSerializableError (a TypeError)."""
         return self._h.serialize()
 
     def __reduce__(self):
@@ -426,8 +439,11 @@ class _PromiseBase:
 class TensorPromise(_PromiseBase):
     """The producer's end: ``set_value(t)`` once, or ``set_exception(message)``.
 
-    ``kind="memory"`` pairs live in one process. Destroying a promise without setting it makes
-    its future fail with "broken promise". Thread-safe.
+    ``kind="memory"`` pairs live in one process; the future yields the tensor itself.
+    ``kind="file"`` promises travel to other processes of this host (pickle, queues, Process
+    arguments, serialize()); the value is copied into shared memory when it is set and the future
+    yields a view of that copy. Destroying a promise without setting it makes its future fail with
+    "broken promise" (across processes: see the README). Thread-safe.
     """
 
     __slots__ = ()
@@ -440,7 +456,8 @@ class TensorPromise(_PromiseBase):
         return cls(promise_kind_for(t, per_device_per_process))
 
     def set_value(self, t: torch.Tensor) -> None:
-        """Fulfils the promise with t (no copy). A second set raises; the first value stays."""
+        """Fulfils the promise with t (memory: no copy; file: copied now). A second set raises
+        PromiseAlreadySatisfiedError; the first value stays."""
         if _is_compiling():
             _refuse_promise_method("set_value")
         _check_local_tensor(t, "TensorPromise.set_value")

@@ -137,7 +137,7 @@ def test_device_errors_reach_the_waiter(dev):
         promise = dtorch_ops.TensorPromise()
         other = promise.get_future()
         dtorch_ops.get_tensor(y, promise)
-    with pytest.raises(RuntimeError, match="device error: .* illegal memory access"):
+    with pytest.raises(dtorch_ops.errors.DeviceError, match="device error: .* illegal memory access"):
         fut.wait(WAIT_MS)
 
     async def awaited():

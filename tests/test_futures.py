@@ -253,10 +253,52 @@ def test_callers_errors():
         dtorch_ops.to_torch_async([1, 2])
     with pytest.raises(TypeError, match="TensorPromise"):
         dtorch_ops.get_tensor(torch.ones(1), "not a promise")
-    with pytest.raises(RuntimeError, match="unknown TensorPromise kind 'disk'"):
+    with pytest.raises(ValueError, match="unknown TensorPromise kind 'disk'"):
         dtorch_ops.TensorPromise("disk")
-    with pytest.raises(RuntimeError, match="not available in this build yet"):
-        torch.classes.dtorch.TensorPromise("file")
+    with pytest.raises(ValueError, match="kind 'network' is not available in this build yet"):
+        torch.classes.dtorch.TensorPromise("network")
+    with pytest.raises(ValueError, match="kind 'file' takes no options"):
+        dtorch_ops.VoidPromise("file://x")
+    with pytest.raises(TypeError, match=r"options \['device'\] that this kind does not take"):
+        dtorch_ops.TensorPromise("file", device="cpu")
+
+
+def test_errors_are_typed_by_their_code():
+    """Each cause has its class in dtorch_ops.errors (picked by the core's code, not the message);
+    all are RuntimeErrors; raw TorchScript objects raise the plain built-ins."""
+    errors = dtorch_ops.errors
+    promise = dtorch_ops.TensorPromise()
+    future = promise.get_future()
+    with pytest.raises(errors.FutureAlreadyRetrievedError, match="future already retrieved"):
+        promise.get_future()
+    with pytest.raises(errors.FutureTimeoutError) as timeout:
+        future.wait(1)
+    assert isinstance(timeout.value, TimeoutError) and isinstance(timeout.value, RuntimeError)
+    promise.set_value(torch.ones(1))
+    with pytest.raises(errors.PromiseAlreadySatisfiedError, match="set_value was called on it "
+                       "first and this set_exception came second"):
+        promise.set_exception("late")
+    future.get()
+    with pytest.raises(errors.FutureConsumedError, match="already called"):
+        future.get()
+    promise = dtorch_ops.VoidPromise()
+    future = promise.get_future()
+    promise.set_exception("no disk")
+    with pytest.raises(errors.ProducerError, match="producer error: no disk") as failed:
+        future.get()
+    assert failed.value.code == "producer_error"
+    promise = dtorch_ops.TensorPromise()
+    future = promise.get_future()
+    del promise
+    with pytest.raises(dtorch_ops.BrokenPromiseError):
+        future.get()
+    raw = torch.classes.dtorch.TensorPromise("memory")
+    raw.set_value(torch.ones(1))
+    with pytest.raises(RuntimeError, match="promise already satisfied") as plain:
+        raw.set_value(torch.ones(1))
+    assert not isinstance(plain.value, errors.FutureError)
+    assert set(errors._BY_CODE) >= {"broken_promise", "timeout", "device_error", "shared_memory",
+                                    "invalid_handle", "cannot_leave_process", "dropped_at_exit"}
 
 
 def test_memory_promises_cannot_leave_the_process():
@@ -266,8 +308,10 @@ def test_memory_promises_cannot_leave_the_process():
             dump()
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(promise.get_future())
-    with pytest.raises(ValueError, match="cannot restore"):
+    with pytest.raises(dtorch_ops.InvalidHandleError, match="not a serialized TensorPromise"):
         dtorch_ops.TensorPromise.from_serialized("file:/dtorch_x")
+    with pytest.raises(dtorch_ops.errors.NotSerializableError):
+        promise.serialize()
 
 
 def test_promise_kind_for_and_config():

@@ -172,7 +172,7 @@ def test_idle_detectors_exit(sim, settings):
     for fs in futures.values():
         fs[0][0].wait(WAIT_MS)
     assert _wait_until(lambda: detector_threads() == 0, timeout_s=5), "idle detectors stayed"
-    assert dtorch_ops.library_threads() == {"detectors": 0, "pool": 0}
+    assert dtorch_ops.library_threads() == {"detectors": 0, "pool": 0, "doorbell": 0}
     # A later value starts a detector again.
     assert torch.equal(dtorch_ops.to_torch(torch.ones(2, device="simdev") * 3).cpu(),
                        torch.full((2,), 3.0))
@@ -283,7 +283,7 @@ def test_fork_with_pending_values():
                     print("child:", e)
                 threads = dtorch_ops.library_threads()
                 print("child threads:", threads)
-                code |= 2 * (threads != {"detectors": 0, "pool": 0})
+                code |= 2 * (threads != {"detectors": 0, "pool": 0, "doorbell": 0})
                 # The library works in the child for new values (the device's own threads did
                 # not survive fork: new values there are on the CPU).
                 promise = dtorch_ops.TensorPromise()

@@ -21,6 +21,9 @@ enum class FutureErrc {
   kDeviceError,              // the device reported an error for the work that produces the value
   kDroppedAtExit,            // the value was still pending when the library stopped at exit
   kDroppedAtFork,            // the value was pending in the parent when this process was forked
+  kCannotLeaveProcess,       // a promise of a same-process kind was serialized (pickle, jit.save)
+  kInvalidHandle,            // a serialized promise is malformed, tampered with or of another type
+  kSharedMemory,             // the shared-memory transport failed (/dev/shm full, a segment gone)
 };
 
 // Short, stable name of a code ("broken promise", ...); used as the message prefix.
@@ -35,8 +38,31 @@ inline const char* FutureErrcName(FutureErrc code) {
     case FutureErrc::kDeviceError: return "device error";
     case FutureErrc::kDroppedAtExit: return "dropped at interpreter exit";
     case FutureErrc::kDroppedAtFork: return "dropped at fork";
+    case FutureErrc::kCannotLeaveProcess: return "cannot leave the process";
+    case FutureErrc::kInvalidHandle: return "invalid serialized promise";
+    case FutureErrc::kSharedMemory: return "shared memory";
   }
   return "unknown future error";
+}
+
+// Stable identifier of a code ("broken_promise", ...): how the Python layer picks the exception
+// class (dtorch_ops.errors) without reading messages.
+inline const char* FutureErrcId(FutureErrc code) {
+  switch (code) {
+    case FutureErrc::kBrokenPromise: return "broken_promise";
+    case FutureErrc::kPromiseAlreadySatisfied: return "promise_already_satisfied";
+    case FutureErrc::kFutureAlreadyRetrieved: return "future_already_retrieved";
+    case FutureErrc::kNoState: return "no_state";
+    case FutureErrc::kTimeout: return "timeout";
+    case FutureErrc::kProducerError: return "producer_error";
+    case FutureErrc::kDeviceError: return "device_error";
+    case FutureErrc::kDroppedAtExit: return "dropped_at_exit";
+    case FutureErrc::kDroppedAtFork: return "dropped_at_fork";
+    case FutureErrc::kCannotLeaveProcess: return "cannot_leave_process";
+    case FutureErrc::kInvalidHandle: return "invalid_handle";
+    case FutureErrc::kSharedMemory: return "shared_memory";
+  }
+  return "unknown";
 }
 
 class FutureError : public std::runtime_error {

@@ -10,6 +10,7 @@
 
 #include "completion_detectors.h"
 #include "completion_pool.h"
+#include "file_kind.h"
 #include "fork_generation.h"
 #include "shared_state.h"  // kMaxTimeoutMs
 
@@ -23,15 +24,18 @@ std::atomic<int64_t> exit_timeout_ms{kDefaultExitTimeoutMs};
 void PrepareFork() {
   CompletionDetectors::Instance().PrepareFork();
   CompletionPool::Instance().PrepareFork();
+  PrepareForkFileKind();
 }
 
 void AfterForkInParent() {
+  AfterForkFileKindInParent();
   CompletionPool::Instance().AfterForkInParent();
   CompletionDetectors::Instance().AfterForkInParent();
 }
 
 void AfterForkInChild() {
   BeginForkChildHandler();
+  AfterForkFileKindInChild();
   CompletionPool::Instance().AfterForkInChild();
   CompletionDetectors::Instance().AfterForkInChild();
   EndForkChildHandler();
@@ -48,7 +52,8 @@ const bool process_handlers_installed = [] {
 }  // namespace
 
 LibraryThreadCounts CountLibraryThreads() {
-  return {CompletionDetectors::Instance().ThreadCount(), CompletionPool::Instance().ThreadCount()};
+  return {CompletionDetectors::Instance().ThreadCount(), CompletionPool::Instance().ThreadCount(),
+          static_cast<size_t>(FileWatcherThreads())};
 }
 
 void SetExitTimeoutMs(int64_t ms) {
@@ -65,6 +70,7 @@ void StopLibraryThreads() {
   // The detectors first: a completion they run may still post to the pool.
   CompletionDetectors::Instance().Stop(deadline);
   CompletionPool::Instance().Stop(deadline);
+  StopFileKind(deadline);
 }
 
 }  // namespace dtorch::core

@@ -1,8 +1,9 @@
-// The library's threads as a whole (torch-free): the completion detectors and the completion pool
-// (core/completion_detectors.h, core/completion_pool.h), stopped together at exit and reset
+// The library's threads as a whole (torch-free): the completion detectors, the completion pool
+// and the file kind's doorbell watcher (core/completion_detectors.h, core/completion_pool.h,
+// core/file_kind.h), stopped together at exit and reset
 // together after fork.
 //
-// Exit: StopLibraryThreads() gives both one deadline (ExitTimeoutMs from the call, 1 s by
+// Exit: StopLibraryThreads() gives them one deadline (ExitTimeoutMs from the call, 1 s by
 // default): the pool finishes posted work, the detectors complete what is done, and every value
 // still pending is then failed with "dropped at interpreter exit". dtorch_ops calls it from its
 // Python atexit handler, while Python can still serve the threads; C++ programs get it from
@@ -23,6 +24,7 @@ namespace dtorch::core {
 struct LibraryThreadCounts {
   size_t detectors = 0;  // named dtorch-detect
   size_t pool = 0;       // named dtorch-pool
+  size_t doorbell = 0;   // named dtorch-doorbell: the file kind's watcher (core/file_kind.h)
 };
 
 LibraryThreadCounts CountLibraryThreads();

@@ -1,24 +1,33 @@
-// Promise/future backends (torch-free): the abstract pair every kind implements, and the
-// in-process "memory" kind.
+// Promise/future backends (torch-free): the pair of interfaces every kind implements, and the
+// in-process "memory" kind. Kinds that cross processes live in file_kind.h; kind_registry.h maps
+// kind names to their factories and deserializers.
 //
 // A PromiseBackend<T> is the producer's end, a FutureBackend<T> the consumer's. T is the value
-// carried (at::Tensor in the torch glue; an empty struct for completion-only signals). Other
-// kinds (shared memory across processes, torch.distributed) implement the same two interfaces.
+// carried (at::Tensor in the torch glue; Unit for completion-only signals). A completion is one
+// Result<T>: a value, or an error with a typed code.
+//
+// Fulfil once: Claim() reserves the promise's single completion for one producer, at call time,
+// so that a second set raises in the caller (also when the first producer completes later, as the
+// device kernels do); Complete() then delivers the result. The claim and Serialize() belong to
+// the backend, so a kind that crosses processes claims across processes.
 //
 // Lifetime: a promise destroyed before it was satisfied breaks its future: the waiter gets
-// FutureError(kBrokenPromise) instead of hanging.
+// FutureError(kBrokenPromise) instead of hanging (kinds that cross processes: file_kind.h).
 //
 // Thread-safety: all methods of both interfaces may be called from any thread.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 
+#include "fork_generation.h"
 #include "future_error.h"
+#include "result.h"
 #include "shared_state.h"
 
 namespace dtorch::core {
@@ -26,14 +35,18 @@ namespace dtorch::core {
 // The value of a completion-only pair (VoidPromise / VoidFuture).
 struct Unit {};
 
+using Deadline = std::chrono::steady_clock::time_point;
+
 template <typename T>
 class FutureBackend {
  public:
   virtual ~FutureBackend() = default;
-  // Blocks until the value is ready and takes it (throws the producer's error instead, if any).
+  // Blocks until the value is ready and takes it (throws the completion's error instead, if any).
+  // Consumes: afterwards Valid() is false and Get() throws kNoState.
   virtual T Get() = 0;
-  // Blocks up to timeout_ms; true once ready. Does not consume; the future stays valid.
-  virtual bool WaitFor(int64_t timeout_ms) const = 0;
+  // Blocks until `deadline` at the latest (a past deadline polls); true once ready. Never
+  // consumes; throws kNoState once consumed.
+  virtual bool WaitUntil(Deadline deadline) const = 0;
   virtual bool IsReady() const = 0;
   // False once Get() has taken the value.
   virtual bool Valid() const = 0;
@@ -45,15 +58,61 @@ template <typename T>
 class PromiseBackend {
  public:
   virtual ~PromiseBackend() = default;
-  // Throws FutureError(kPromiseAlreadySatisfied) on a second completion; the first one stays.
-  virtual void SetValue(T value) = 0;
-  // Completes with an error of `code` (kProducerError for SetException's message). Throws
-  // FutureError(kPromiseAlreadySatisfied) on a second completion.
-  virtual void SetError(FutureErrc code, const std::string& detail) = 0;
-  void SetException(const std::string& message) { SetError(FutureErrc::kProducerError, message); }
-  // The consumer's end; throws FutureError(kFutureAlreadyRetrieved) when called twice.
+
+  // Refuses, before any claim, a value this kind cannot carry (throws with what to do instead).
+  virtual void CheckValue(const T& /*value*/) const {}
+
+  // Reserves the single completion for `producer` (a string literal: it is kept, to name the
+  // first producer when a second one is refused). Throws FutureError(kPromiseAlreadySatisfied),
+  // changing nothing, if this promise (here, or in another process for the kinds that cross
+  // processes) is claimed already.
+  void Claim(const char* producer) {
+    const char* first = nullptr;
+    if (!claimed_by_.compare_exchange_strong(first, producer)) {
+      throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
+                        std::string("the promise already holds a value or an exception, or "
+                                    "will: ") + first + " was called on it first and this " +
+                            producer + " came second. A promise is fulfilled once: use a new "
+                            "one per value");
+    }
+    try {
+      ClaimShared(producer);
+    } catch (...) {
+      claimed_by_ = "a producer in another process";
+      throw;
+    }
+  }
+
+  // Completes a claimed promise with `result`. Throws FutureError only when the kind could not
+  // deliver the value (shared memory full); the future then fails with that same error.
+  virtual void Complete(Result<T> result) = 0;
+
+  // CheckValue + Claim + Complete: what a synchronous producer calls.
+  void Set(Result<T> result, const char* producer) {
+    if (result.ok()) CheckValue(result.value());
+    Claim(producer);
+    Complete(std::move(result));
+  }
+  void SetValue(T value) { Set(Result<T>::Value(std::move(value)), "SetValue"); }
+  void SetError(FutureErrc code, const std::string& detail) {
+    Set(Result<T>::Error(code, detail), "SetError");
+  }
+
+  // The consumer's end; throws FutureError(kFutureAlreadyRetrieved) when called twice, or where
+  // the kind keeps the future in another process.
   virtual std::unique_ptr<FutureBackend<T>> GetFuture() = 0;
+  // A string the kind's deserializer (kind_registry.h) turns back into this promise in another
+  // process. Throws FutureError(kCannotLeaveProcess) for kinds that stay in one process.
+  virtual std::string Serialize() = 0;
   virtual const char* Kind() const = 0;
+
+ protected:
+  // The part of Claim() that is shared with other handles of the same promise (other processes):
+  // throws FutureError(kPromiseAlreadySatisfied) when one of them claimed it first.
+  virtual void ClaimShared(const char* producer) {}
+
+ private:
+  std::atomic<const char*> claimed_by_{nullptr};
 };
 
 // ---- memory kind: both ends in one process, a SharedState between them. ----
@@ -63,7 +122,7 @@ class MemoryFuture final : public FutureBackend<T> {
  public:
   explicit MemoryFuture(std::shared_ptr<SharedState<T>> state) : state_(std::move(state)) {}
   T Get() override { return state_->Take(); }
-  bool WaitFor(int64_t timeout_ms) const override { return state_->WaitFor(timeout_ms); }
+  bool WaitUntil(Deadline deadline) const override { return state_->WaitUntil(deadline); }
   bool IsReady() const override { return state_->IsReady(); }
   bool Valid() const override { return state_->Valid(); }
   void OnReady(std::function<void()> callback) override { state_->OnReady(std::move(callback)); }
@@ -80,14 +139,12 @@ class MemoryPromise final : public PromiseBackend<T> {
   MemoryPromise& operator=(const MemoryPromise&) = delete;
 
   ~MemoryPromise() override {
-    state_->TrySetError(FutureErrc::kBrokenPromise,
-                        "the promise was destroyed before a value or an exception was set");
+    state_->TryComplete(Result<T>::Error(
+        FutureErrc::kBrokenPromise,
+        "the promise was destroyed before a value or an exception was set"));
   }
 
-  void SetValue(T value) override { state_->SetValue(std::move(value)); }
-  void SetError(FutureErrc code, const std::string& detail) override {
-    state_->SetError(code, detail);
-  }
+  void Complete(Result<T> result) override { state_->Complete(std::move(result)); }
   std::unique_ptr<FutureBackend<T>> GetFuture() override {
     if (future_retrieved_.exchange(true)) {
       throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
@@ -95,11 +152,29 @@ class MemoryPromise final : public PromiseBackend<T> {
     }
     return std::make_unique<MemoryFuture<T>>(state_);
   }
+  std::string Serialize() override {
+    throw FutureError(FutureErrc::kCannotLeaveProcess,
+                      "memory promises cannot leave the process (pickle, serialize(), "
+                      "torch.jit.save of a module holding one); create the pair with a kind that "
+                      "crosses processes (kind='file', or dtorch_ops.TensorPromise.for_tensor)");
+  }
   const char* Kind() const override { return "memory"; }
+
+ protected:
+  // Its future lives in the process that created it: a forked child cannot reach it.
+  void ClaimShared(const char* producer) override {
+    if (ForkGeneration() != created_in_) {
+      throw FutureError(FutureErrc::kCannotLeaveProcess,
+                        std::string(producer) + " on a memory promise in a forked child: its "
+                        "future is in the parent process, which this process cannot reach. "
+                        "Create the pair with kind='file' to fulfil it from a child process");
+    }
+  }
 
  private:
   const std::shared_ptr<SharedState<T>> state_;
   std::atomic<bool> future_retrieved_{false};
+  const uint64_t created_in_ = ForkGeneration();
 };
 
 }  // namespace dtorch::core

@@ -5,7 +5,7 @@
 //     FutureError(kPromiseAlreadySatisfied) *before* anything changes, so the first value is kept;
 //   - Take() blocks until completion and consumes: afterwards Valid() is false and another Take()
 //     throws FutureError(kNoState). An error is consumed the same way (it is thrown once);
-//   - WaitFor(timeout) never consumes and leaves the state valid when it times out.
+//   - WaitUntil(deadline) never consumes and leaves the state valid when it times out.
 //
 // Completion callbacks (OnReady) let a waiter be woken without a thread per future: each runs
 // exactly once, after completion, outside the lock, on the completing thread (or at once on the
@@ -36,6 +36,7 @@
 
 #include "fork_generation.h"
 #include "future_error.h"
+#include "result.h"
 
 namespace dtorch::core {
 
@@ -52,41 +53,25 @@ class SharedState {
   SharedState(const SharedState&) = delete;
   SharedState& operator=(const SharedState&) = delete;
 
-  // Completes with a value. Throws kPromiseAlreadySatisfied if already complete.
-  void SetValue(T value) {
-    CallbackNode* callbacks;
-    bool wake;
-    {
-      auto lock = LockSurvivingFork(mu_);
-      ThrowIfCompleteLocked();
-      value_.emplace(std::move(value));
-      ready_ = true;
-      callbacks = TakeCallbacksLocked();
-      wake = HasWaitersLocked();
-    }
-    if (wake) cv_.notify_all();
-    RunCallbacks(callbacks);
-  }
-
-  // Completes with an error. Throws kPromiseAlreadySatisfied if already complete.
-  void SetError(FutureErrc code, std::string detail) {
-    if (!TrySetError(code, std::move(detail))) {
+  // Completes with `result` (a value or an error). Throws kPromiseAlreadySatisfied, changing
+  // nothing, if already complete.
+  void Complete(Result<T> result) {
+    if (!TryComplete(std::move(result))) {
       throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
                         "the promise already holds a value or an exception");
     }
   }
 
-  // Completes with an error unless already complete; returns whether it did. Used to break a
+  // Completes with `result` unless already complete; returns whether it did. Used to break a
   // promise on destruction, which must never throw.
-  bool TrySetError(FutureErrc code, std::string detail) noexcept {
+  bool TryComplete(Result<T> result) noexcept {
     CallbackNode* callbacks;
     bool wake;
     {
       auto lock = LockSurvivingFork(mu_);
-      if (ready_) return false;
-      error_code_ = code;
-      error_detail_ = std::move(detail);
-      ready_ = true;
+      if (complete_) return false;
+      result_.emplace(std::move(result));
+      complete_ = true;
       callbacks = TakeCallbacksLocked();
       wake = HasWaitersLocked();
     }
@@ -101,26 +86,26 @@ class SharedState {
     auto lock = LockSurvivingFork(mu_);
     ThrowIfRetrievedLocked();
     WaitingLocked waiting(*this);
-    cv_.wait(lock, [this] { return ready_; });
+    cv_.wait(lock, [this] { return complete_; });
     ThrowIfRetrievedLocked();  // another waiter may have taken it while this one slept
     return TakeLocked();
   }
 
-  // Blocks for up to timeout_ms (0 = poll; clamped to kMaxTimeoutMs); returns whether the state
-  // is complete. Never consumes.
-  bool WaitFor(int64_t timeout_ms) const {
+  // Blocks until `deadline` at the latest (a deadline in the past: a poll); returns whether the
+  // state is complete. Never consumes.
+  bool WaitUntil(std::chrono::steady_clock::time_point deadline) const {
     auto lock = LockSurvivingFork(mu_);
     ThrowIfRetrievedLocked();
-    if (ready_ || timeout_ms <= 0) return ready_;  // a poll: no timed wait (a syscall) at all
-    const auto timeout = std::chrono::milliseconds(std::min(timeout_ms, kMaxTimeoutMs));
+    if (complete_ || deadline <= std::chrono::steady_clock::now()) {
+      return complete_;  // a poll: no timed wait (a syscall) at all
+    }
     WaitingLocked waiting(*this);
-    return cv_.wait_for(lock, timeout, [this] { return ready_; });
+    return cv_.wait_until(lock, deadline, [this] { return complete_; });
   }
-
 
   bool IsReady() const {
     auto lock = LockSurvivingFork(mu_);
-    return ready_ && !retrieved_;
+    return complete_ && !retrieved_;
   }
 
   bool Valid() const {
@@ -133,7 +118,7 @@ class SharedState {
     auto node = std::make_unique<CallbackNode>(CallbackNode{std::move(callback), nullptr});
     {
       auto lock = LockSurvivingFork(mu_);
-      if (!ready_) {
+      if (!complete_) {
         *callbacks_tail_ = node.get();
         callbacks_tail_ = &node.release()->next;
         return;
@@ -145,13 +130,6 @@ class SharedState {
   ~SharedState() { RunCallbacks(TakeCallbacksLocked(), /*run=*/false); }
 
  private:
-  void ThrowIfCompleteLocked() const {
-    if (ready_) {
-      throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
-                        "the promise already holds a value or an exception");
-    }
-  }
-
   void ThrowIfRetrievedLocked() const {
     if (retrieved_) {
       throw FutureError(FutureErrc::kNoState,
@@ -191,10 +169,10 @@ class SharedState {
 
   T TakeLocked() {
     retrieved_ = true;
-    if (error_code_) throw FutureError(*error_code_, error_detail_);
-    T value = std::move(*value_);
-    value_.reset();  // drop our reference: the caller owns the value now
-    return value;
+    // Dropped here (after the move): the caller owns the value now.
+    Result<T> result = std::move(*result_);
+    result_.reset();
+    return result.TakeOrThrow();
   }
 
   // The callbacks are a list whose nodes are allocated before mu_ is taken: the locked part of
@@ -230,11 +208,9 @@ class SharedState {
   mutable std::condition_variable cv_;    // re-initialised after fork: ForgetOtherGenerationsLocked
   mutable int waiters_ = 0;                // guarded by mu_: threads waiting on cv_
   mutable uint64_t cv_generation_ = ForkGeneration();  // guarded by mu_: waiters_' generation
-  bool ready_ = false;                     // guarded by mu_
+  bool complete_ = false;                  // guarded by mu_
   bool retrieved_ = false;                 // guarded by mu_
-  std::optional<T> value_;                 // guarded by mu_
-  std::optional<FutureErrc> error_code_;   // guarded by mu_
-  std::string error_detail_;               // guarded by mu_
+  std::optional<Result<T>> result_;        // guarded by mu_: set once, reset when taken
   CallbackNode* callbacks_head_ = nullptr;              // guarded by mu_
   CallbackNode** callbacks_tail_ = &callbacks_head_;   // guarded by mu_
 };

@@ -2,33 +2,51 @@
 
 #include <chrono>
 #include <optional>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 
 #include <c10/util/Exception.h>
 
+#include "../core/file_kind.h"
+#include "../core/kind_registry.h"
+#include "errors.h"
 #include "runtime_hooks.h"
+#include "tensor_codec.h"
 
 namespace dtorch {
+
+void ThrowCoded(core::FutureErrc code, const std::string& message) {
+  switch (code) {
+    case core::FutureErrc::kCannotLeaveProcess:
+      // TypeError, as Python's own unpicklable objects raise (pickle's callers catch that one).
+      throw CodedError<c10::TypeError>(code, message);
+    case core::FutureErrc::kInvalidHandle:
+      throw CodedError<c10::ValueError>(code, message);
+    default:
+      throw CodedError<c10::Error>(code, message);
+  }
+}
+
 namespace {
 
-// Runs `fn`, turning the core's typed errors into c10::Error (RuntimeError in Python/TorchScript)
-// with the same "dtorch: <cause>: <detail>" message.
+// Runs `fn`, turning the core's typed errors into coded c10 errors (ops/errors.h) with the same
+// "dtorch: <cause>: <detail>" message, and a bad kind spec into ValueError.
 template <typename Fn>
 auto TranslateErrors(Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
   } catch (const core::FutureError& e) {
-    TORCH_CHECK(false, e.what());
+    ThrowCoded(e);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
   }
 }
 
 [[noreturn]] void ThrowTimeout(int64_t timeout_ms) {
-  TORCH_CHECK(false, core::FutureError(core::FutureErrc::kTimeout,
-                                       "the value was not ready within " +
-                                           std::to_string(timeout_ms) +
-                                           " ms; the future is still valid, wait again")
-                         .what());
+  ThrowCoded(core::FutureError(core::FutureErrc::kTimeout,
+                               "the value was not ready within " + std::to_string(timeout_ms) +
+                                   " ms; the future is still valid, wait again"));
 }
 
 void CheckTimeout(int64_t timeout_ms) {
@@ -36,15 +54,63 @@ void CheckTimeout(int64_t timeout_ms) {
               "; use get() to wait without a limit");
 }
 
+[[noreturn]] void ThrowConsumedCollect() {
+  ThrowCoded(core::FutureError(core::FutureErrc::kNoState,
+                               "get() was already called on this VoidFutureCollect"));
+}
+
+core::Deadline DeadlineIn(int64_t timeout_ms) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::milliseconds(std::min(timeout_ms, core::kMaxTimeoutMs));
+}
+
+// The kinds a pair of T can be (core/kind_registry.h).
 template <typename T>
-std::unique_ptr<core::PromiseBackend<T>> MakePromiseBackend(const std::string& kind) {
-  if (kind == "memory") {
-    return std::make_unique<core::MemoryPromise<T>>();
-  }
-  TORCH_CHECK(kind != "file" && kind != "network", "dtorch: ", PairNames<T>::kPromise, " kind '",
-              kind, "' is not available in this build yet; use kind=\"memory\" (same process)");
-  TORCH_CHECK(false, "dtorch: unknown ", PairNames<T>::kPromise, " kind '", kind,
-              "'; expected \"memory\", \"file\" or \"network\"");
+std::shared_ptr<const core::ValueCodec<T>> Codec();
+template <>
+std::shared_ptr<const core::ValueCodec<at::Tensor>> Codec() {
+  static const auto codec = std::make_shared<const TensorCodec>();
+  return codec;
+}
+template <>
+std::shared_ptr<const core::ValueCodec<core::Unit>> Codec() {
+  static const auto codec = std::make_shared<const core::UnitCodec>();
+  return codec;
+}
+
+template <typename T>
+const core::KindRegistry<T>& Kinds() {
+  static const core::KindRegistry<T> registry = [] {
+    core::KindRegistry<T> kinds(PairNames<T>::kPromise);
+    const auto no_options = [](std::string_view kind, std::string_view options) {
+      if (!options.empty()) {
+        throw std::invalid_argument("dtorch: " + std::string(PairNames<T>::kPromise) +
+                                    " kind '" + std::string(kind) + "' takes no options");
+      }
+    };
+    kinds.Register(core::kMemoryKind,
+                   {[no_options](std::string_view options) {
+                      no_options(core::kMemoryKind, options);
+                      return std::make_unique<core::MemoryPromise<T>>();
+                    },
+                    nullptr, ""});
+    kinds.Register(core::kFileKind,
+                   {[no_options](std::string_view options) {
+                      no_options(core::kFileKind, options);
+                      return std::make_unique<core::FilePromise<T>>(Codec<T>());
+                    },
+                    [](std::string_view rest) {
+                      return std::make_unique<core::FilePromise<T>>(
+                          core::FileHandle::Parse(rest, Codec<T>()->TypeName()), Codec<T>());
+                    },
+                    ""});
+    kinds.Register(core::kNetworkKind,
+                   {nullptr, nullptr,
+                    "is not available in this build yet; use kind=\"memory\" (same process) "
+                    "or kind=\"file\" (processes of one host)"});
+    return kinds;
+  }();
+  return registry;
 }
 
 }  // namespace
@@ -60,7 +126,7 @@ T Future<T>::Get() {
   return TranslateErrors([&] {
     if (!backend_->IsReady()) {
       BeforeReturn before_return;  // runs when the wait is over, also when it throws
-      while (!backend_->WaitFor(core::kMaxTimeoutMs)) {
+      while (!backend_->WaitUntil(DeadlineIn(core::kMaxTimeoutMs))) {
       }
     }
     return backend_->Get();
@@ -78,15 +144,15 @@ template <typename T>
 bool Future<T>::WaitFor(int64_t timeout_ms) const {
   CheckTimeout(timeout_ms);
   return TranslateErrors([&] {
-    if (timeout_ms == 0 || backend_->IsReady()) return backend_->WaitFor(0);
+    if (timeout_ms == 0 || backend_->IsReady()) return backend_->WaitUntil(core::Deadline());
     BeforeReturn before_return;
-    return backend_->WaitFor(timeout_ms);
+    return backend_->WaitUntil(DeadlineIn(timeout_ms));
   });
 }
 
 template <typename T>
 bool Future<T>::IsReady() const {
-  return backend_->IsReady();
+  return TranslateErrors([&] { return backend_->IsReady(); });
 }
 
 template <typename T>
@@ -100,15 +166,27 @@ void Future<T>::OnReady(std::function<void()> callback) {
 }
 
 template <typename T>
-Promise<T>::Promise(const std::string& kind) : kind_(kind), backend_(MakePromiseBackend<T>(kind)) {}
+Promise<T>::Promise(const std::string& kind)
+    : Promise(TranslateErrors([&] { return Kinds<T>().Create(kind); })) {}
+
+template <typename T>
+Promise<T>::Promise(std::unique_ptr<core::PromiseBackend<T>> backend)
+    : backend_(std::move(backend)), kind_(backend_->Kind()) {}
+
+template <typename T>
+c10::intrusive_ptr<Promise<T>> Promise<T>::FromSerialized(const std::string& serialized) {
+  return c10::make_intrusive<Promise<T>>(
+      TranslateErrors([&] { return Kinds<T>().Deserialize(serialized); }));
+}
+
+template <typename T>
+void Promise<T>::CheckValue(const T& value) const {
+  TranslateErrors([&] { backend_->CheckValue(value); });
+}
 
 template <typename T>
 void Promise<T>::Claim(const char* producer) {
-  const char* first = nullptr;
-  if (claimed_by_.compare_exchange_strong(first, producer)) return;
-  TORCH_CHECK(false, "dtorch: promise already satisfied: the promise already holds a value or "
-              "an exception, or will: ", first, " was called on it first and this ", producer,
-              " came second. A promise is fulfilled once: use a new one per value");
+  TranslateErrors([&] { backend_->Claim(producer); });
 }
 
 template <typename T>
@@ -119,9 +197,8 @@ void Promise<T>::SetValue(T value, const char* caller) {
       if (const auto check = GetRuntimeHooks().check_subclass_value) check(value);
     }
   }
-  Claim(caller);
   BeforeReturn before_return;  // the waiter it wakes may take the GIL meanwhile
-  TranslateErrors([&] { backend_->SetValue(std::move(value)); });
+  TranslateErrors([&] { backend_->Set(core::Result<T>::Value(std::move(value)), caller); });
 }
 
 template <typename T>
@@ -130,18 +207,19 @@ void Promise<T>::SetException(const std::string& message) {
   TORCH_CHECK_VALUE(nul == std::string::npos, "dtorch: set_exception: the message has a NUL "
                     "character at index ", nul, " (it would cut the message short); pass text "
                     "without NUL characters");
-  Claim("set_exception");
   BeforeReturn before_return;
-  TranslateErrors([&] { backend_->SetException(message); });
+  TranslateErrors([&] {
+    backend_->Set(core::Result<T>::Error(core::FutureErrc::kProducerError, message),
+                  "set_exception");
+  });
 }
 
 template <typename T>
 void Promise<T>::CompleteClaimed(T value) noexcept {
-  TORCH_INTERNAL_ASSERT(claimed_by_ != nullptr);
   try {
-    backend_->SetValue(std::move(value));
+    backend_->Complete(core::Result<T>::Value(std::move(value)));
   } catch (...) {
-    // Cannot happen: the claim made this the only completion.
+    // The kind could not deliver it; its future holds that error (PromiseBackend::Complete).
   }
 }
 
@@ -152,11 +230,10 @@ void Promise<T>::FailClaimed(const std::string& message) noexcept {
 
 template <typename T>
 void Promise<T>::FailClaimed(core::FutureErrc code, const std::string& detail) noexcept {
-  TORCH_INTERNAL_ASSERT(claimed_by_ != nullptr);
   try {
-    backend_->SetError(code, detail);
+    backend_->Complete(core::Result<T>::Error(code, detail));
   } catch (...) {
-    // Cannot happen: the claim made this the only completion.
+    // As above.
   }
 }
 
@@ -168,13 +245,7 @@ c10::intrusive_ptr<Future<T>> Promise<T>::GetFuture() {
 
 template <typename T>
 std::string Promise<T>::Serialize() const {
-  // TypeError, as Python's own unpicklable objects raise (pickle's callers catch that one), and
-  // no double quote: torch 2.11's inductor pastes this message into a "..." literal.
-  TORCH_CHECK_TYPE(kind_ != "memory",
-                   "dtorch: memory promises cannot leave the process (pickle, serialize(), "
-                   "torch.jit.save of a module holding one); create the pair with a kind that "
-                   "crosses processes (dtorch_ops.TensorPromise.for_tensor or kind='file')");
-  TORCH_INTERNAL_ASSERT(false, "dtorch: Serialize() for kind '", kind_, "' is not implemented");
+  return TranslateErrors([&] { return backend_->Serialize(); });
 }
 
 template class Future<at::Tensor>;
@@ -189,19 +260,20 @@ VoidFutureCollect::VoidFutureCollect(std::vector<c10::Device> devices,
 }
 
 void VoidFutureCollect::Get() {
-  TORCH_CHECK(!consumed_.exchange(true),
-              "dtorch: no value: get() was already called on this VoidFutureCollect");
+  if (consumed_.exchange(true)) ThrowConsumedCollect();
   std::optional<std::string> first_error;
+  auto first_code = core::FutureErrc::kProducerError;
   for (size_t i = 0; i < futures_.size(); ++i) {
     try {
       futures_[i]->Get();
     } catch (const c10::Error& e) {
       if (!first_error) {
         first_error = "dtorch: sync on " + devices_[i].str() + " failed: " + NestedMessage(e);
+        if (const auto* coded = CodeOf(e)) first_code = coded->code();
       }
     }
   }
-  TORCH_CHECK(!first_error, *first_error);
+  if (first_error) ThrowCoded(first_code, *first_error);
 }
 
 void VoidFutureCollect::Wait(int64_t timeout_ms) {
@@ -211,7 +283,7 @@ void VoidFutureCollect::Wait(int64_t timeout_ms) {
 
 bool VoidFutureCollect::WaitFor(int64_t timeout_ms) const {
   CheckTimeout(timeout_ms);
-  TORCH_CHECK(!consumed_, "dtorch: no value: get() was already called on this VoidFutureCollect");
+  if (consumed_) ThrowConsumedCollect();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(
       std::min<int64_t>(timeout_ms, core::kMaxTimeoutMs));
   for (const auto& future : futures_) {
@@ -267,8 +339,13 @@ std::string CurrentExceptionMessage() {
 
 std::string PromiseKindFor(const at::Tensor& tensor, bool per_device_per_process) {
   TORCH_CHECK(tensor.defined(), "dtorch: promise_kind_for needs a defined tensor");
-  if (tensor.device().is_cpu()) return "memory";
-  return per_device_per_process ? "file" : "memory";
+  if (tensor.device().is_cpu() || !per_device_per_process) return std::string(core::kMemoryKind);
+  return std::string(core::kFileKind);
+}
+
+c10::intrusive_ptr<TensorPromise> TensorPromiseFor(const at::Tensor& tensor,
+                                                   bool per_device_per_process) {
+  return c10::make_intrusive<TensorPromise>(PromiseKindFor(tensor, per_device_per_process));
 }
 
 }  // namespace dtorch

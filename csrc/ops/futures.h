@@ -5,15 +5,16 @@
 //   ReadyNotifier                  an event loop's wake-up channel (asyncio `await`).
 //
 // A promise is the producer's end; get_future() hands out its single consumer end. Both are thin,
-// thread-safe handles over a core backend of one kind ("memory": same process). Both are held by
-// intrusive_ptr, so a kernel that still has to fulfil a promise keeps it alive; when the last
-// reference to an unfulfilled promise goes, its future fails with "broken promise".
+// thread-safe handles over a core backend of one kind ("memory": same process; "file": processes
+// of one host, core/file_kind.h). Both are held by intrusive_ptr, so a kernel that still has to
+// fulfil a promise keeps it alive; when the last reference to an unfulfilled promise goes, its
+// future fails with "broken promise".
 //
-// Values: a TensorFuture yields the tensor the producer set, not a copy (it aliases the input of
-// get_tensor).
+// Values: a memory TensorFuture yields the tensor the producer set, not a copy (it aliases the
+// input of get_tensor); a file TensorFuture yields a view of a shared copy (ops/tensor_codec.h).
 //
-// Errors surface as c10::Error ("dtorch: <cause>: <detail>"): RuntimeError in Python and
-// TorchScript. dtorch_ops' Python wrappers map a timeout to Python's TimeoutError.
+// Errors surface as c10 errors that keep the core's code (ops/errors.h): RuntimeError in
+// TorchScript, dtorch_ops.errors' classes in Python.
 #pragma once
 
 #include <atomic>
@@ -91,13 +92,21 @@ template <typename T>
 class Promise : public torch::CustomClassHolder {
  public:
   static constexpr const char* kClassName = PairNames<T>::kPromise;
-  // kind: "memory" (same process). Other kinds throw a clear error until they are built.
+  // kind: a kind spec (core/kind_registry.h): "memory" (same process) or "file" (processes of
+  // one host). Unknown or unavailable kinds raise ValueError.
   explicit Promise(const std::string& kind);
+  explicit Promise(std::unique_ptr<core::PromiseBackend<T>> backend);
+  // The promise another process serialized (Serialize()); untrusted input, validated before
+  // anything is opened. It attaches to the pair on first use, not here.
+  static c10::intrusive_ptr<Promise> FromSerialized(const std::string& serialized);
 
   // Fulfils the promise; a second completion throws and the first value is kept. `caller` names
   // the call in that error (a string literal: the get_tensor kernel on CPU passes its own name).
   void SetValue(T value, const char* caller = "set_value");
   void SetException(const std::string& message);
+  // Refuses a value this promise's kind cannot carry (a device tensor in a file promise), before
+  // anything is claimed.
+  void CheckValue(const T& value) const;
   // For asynchronous producers (the device get_tensor kernel, sync_into): Claim() reserves the
   // promise at once, so that any other completion (or claim) raises now, as on CPU, rather than
   // being dropped later; the producer then completes it with CompleteClaimed / FailClaimed,
@@ -112,15 +121,13 @@ class Promise : public torch::CustomClassHolder {
   // The consumer's end; callable once.
   c10::intrusive_ptr<Future<T>> GetFuture();
   const std::string& Kind() const { return kind_; }
-  // A string another process can turn back into this promise. Memory promises cannot leave the
-  // process and throw.
+  // A string another process can turn back into this promise (FromSerialized). Memory promises
+  // cannot leave the process and raise TypeError.
   std::string Serialize() const;
 
  private:
-  const std::string kind_;
   const std::unique_ptr<core::PromiseBackend<T>> backend_;
-  // The call that completes the promise: set once, by the first completion or claim.
-  std::atomic<const char*> claimed_by_{nullptr};
+  const std::string kind_;
 };
 
 using TensorFuture = Future<at::Tensor>;
@@ -187,5 +194,13 @@ std::string CurrentExceptionMessage();
 // a device tensor with per_device_per_process -> "file" (one worker process per device);
 // otherwise "memory".
 std::string PromiseKindFor(const at::Tensor& tensor, bool per_device_per_process);
+// A promise of the kind PromiseKindFor advises (TensorPromise.for_tensor in Python).
+c10::intrusive_ptr<TensorPromise> TensorPromiseFor(const at::Tensor& tensor,
+                                                   bool per_device_per_process);
+// The seed's CreateTensorPromiseFromSerialized(): TensorPromise::FromSerialized.
+inline c10::intrusive_ptr<TensorPromise> CreateTensorPromiseFromSerialized(
+    const std::string& serialized) {
+  return TensorPromise::FromSerialized(serialized);
+}
 
 }  // namespace dtorch

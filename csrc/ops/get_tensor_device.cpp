@@ -9,6 +9,7 @@ namespace dtorch::kernels {
 
 void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise) {
   TORCH_CHECK(promise, "dtorch: get_tensor needs a TensorPromise, got None");
+  promise->CheckValue(input);  // a kind that cannot carry a device tensor refuses it here
   // Claimed now: a used promise raises here, as on CPU, and any later completion raises too.
   promise->Claim("get_tensor");
   try {

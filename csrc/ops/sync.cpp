@@ -9,6 +9,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "device_completion.h"
+#include "errors.h"
 
 namespace dtorch {
 namespace {
@@ -127,7 +128,9 @@ void sync_into(const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>&
     try {
       collect->Get();
     } catch (const c10::Error& e) {
-      promise->FailClaimed(NestedMessage(e));
+      const auto* coded = CodeOf(e);
+      promise->FailClaimed(coded ? coded->code() : core::FutureErrc::kProducerError,
+                           NestedMessage(e));
       return;
     }
     promise->CompleteClaimed({});

@@ -23,7 +23,10 @@
 
 #include "../core/completion_detectors.h"
 #include "../core/completion_pool.h"
+#include "../core/file_kind.h"
+#include "../core/kind_registry.h"
 #include "../core/library_threads.h"
+#include "../ops/errors.h"
 #include "../ops/futures.h"
 #include "../ops/get_tensor.h"
 #include "../ops/runtime_hooks.h"
@@ -69,12 +72,31 @@ int64_t TimeoutMs(py::handle timeout) {
   return ms;
 }
 
+// The exception class of dtorch_ops.errors for `code` (by its stable id, never by message).
+PyObject* ExceptionClass(core::FutureErrc code) {
+  py::gil_scoped_acquire gil;
+  const auto classes = py::module_::import("dtorch_ops.errors").attr("_BY_CODE");
+  return classes[py::str(core::FutureErrcId(code))].ptr();  // the module keeps it alive
+}
+
 [[noreturn]] void RaiseTimeout(py::handle timeout) {
-  const std::string message = "dtorch: the value was not ready within " +
+  const std::string message = "dtorch: timed out: the value was not ready within " +
                               py::str(timeout).cast<std::string>() +
                               " ms; the future is still valid, wait again";
-  PyErr_SetString(PyExc_TimeoutError, message.c_str());
+  PyErr_SetString(ExceptionClass(core::FutureErrc::kTimeout), message.c_str());
   throw py::error_already_set();
+}
+
+// Coded c10 errors (ops/errors.h) from any function of this module become dtorch_ops.errors'
+// classes; everything else goes on to torch's and pybind11's translators.
+void TranslateCodedErrors(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const CodedErrorBase& coded) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&coded);
+    const char* message = c10_error ? c10_error->what_without_backtrace() : "dtorch: error";
+    PyErr_SetString(ExceptionClass(coded.code()), message);
+  }
 }
 
 // The TorchScript object (torch.ScriptObject) holding the same C++ object as `handle`.
@@ -193,6 +215,7 @@ void BindPromise(py::module_& m) {
                  .def("get_future", &P::GetFuture)
                  .def("kind", [](const c10::intrusive_ptr<P>& self) { return self->Kind(); })
                  .def("serialize", &P::Serialize)
+                 .def_static("from_serialized", &P::FromSerialized)
                  .def("script", &ToScript<P>)
                  .def_static("from_script", &FromScript<P>);
   if constexpr (std::is_same_v<T, at::Tensor>) {
@@ -244,6 +267,8 @@ PYBIND11_MODULE(_C, m) {
   hooks.check_subclass_value = &CheckSubclassValue;
   SetRuntimeHooks(hooks);
 
+  py::register_local_exception_translator(&TranslateCodedErrors);
+
   py::class_<ReadyNotifier, c10::intrusive_ptr<ReadyNotifier>>(m, "ReadyNotifier")
       .def(py::init([] { return c10::make_intrusive<ReadyNotifier>(); }))
       .def("fileno", &ReadyNotifier::FileNo)
@@ -277,7 +302,12 @@ PYBIND11_MODULE(_C, m) {
       "get_tensor",
       [](const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise,
          bool above_subclass) {
-        if (!above_subclass) return GetTensor(input, promise);
+        if (!above_subclass) {
+          // Without the GIL: a file promise copies the value (the dispatcher re-takes the GIL
+          // for any Python kernel it calls).
+          ReleasedGil unlocked;
+          return GetTensor(input, promise);
+        }
         AboveSubclassDispatch above;
         GetTensor(input, promise);
       },
@@ -310,7 +340,17 @@ PYBIND11_MODULE(_C, m) {
     py::dict threads;
     threads["detectors"] = counts.detectors;
     threads["pool"] = counts.pool;
+    threads["doorbell"] = counts.doorbell;
     return threads;
+  });
+  m.def("pending_file_pairs", &core::PendingFilePairs);
+  // Test-only: in a producer process, takes `promise`'s interprocess lock and never returns.
+  m.def("hold_file_promise_lock_for_testing", [](const std::string& serialized) {
+    const std::string prefix = core::SerializedPrefix(core::kFileKind);
+    TORCH_CHECK(serialized.rfind(prefix, 0) == 0, "not a serialized file promise");
+    py::gil_scoped_release unlocked;
+    core::HoldFilePromiseLockForTesting(
+        core::FileHandle::Parse(serialized.substr(prefix.size()), "tensor"));
   });
   m.def("detector_stats", [] {
     const auto& detectors = core::CompletionDetectors::Instance();
@@ -332,6 +372,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("detector_idle_exit_ms", [] { return core::CompletionDetectors::Instance().IdleExitMs(); });
   m.def("set_pool_threads", [](int64_t n) { core::CompletionPool::Instance().SetThreads(n); });
   m.def("pool_threads", [] { return core::CompletionPool::Instance().Threads(); });
+  m.def("set_attach_timeout_ms", &core::SetAttachTimeoutMs);
+  m.def("attach_timeout_ms", &core::AttachTimeoutMs);
   m.def("set_exit_timeout_ms", &core::SetExitTimeoutMs);
   m.def("exit_timeout_ms", &core::ExitTimeoutMs);
 }

@@ -1,10 +1,13 @@
-// dtorch_ops from C++: futures, promises across threads, and a TorchScript module (saved by
-// Python) whose forward calls torch.ops.dtorch.get_tensor_async. Usage:
+// dtorch_ops from C++: futures, promises across threads and processes, and a TorchScript module
+// (saved by Python) whose forward calls torch.ops.dtorch.get_tensor_async. Usage:
 //   dtorch_cpp_example [scripted_module.pt]
 // Prints "cpp example: OK" and returns 0, or reports the first failure and returns 1.
 #include <dtorch_ops.h>
 
 #include <torch/script.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <iostream>
@@ -101,6 +104,35 @@ void SyncDevices() {
   done->Wait(kWaitMs);
 }
 
+// (g) A file promise crosses processes: serialized, rebuilt in a forked child (any process of
+// this host could: a Python worker, another C++ program), which copies its value into shared
+// memory; the parent's future yields a view of that copy.
+void FilePromiseAcrossProcesses() {
+  auto promise = c10::make_intrusive<dtorch::TensorPromise>("file");
+  auto future = promise->GetFuture();
+  const std::string serialized = promise->Serialize();
+  const pid_t child = fork();
+  if (child == 0) {
+    int code = 0;
+    try {
+      dtorch::CreateTensorPromiseFromSerialized(serialized)->SetValue(torch::arange(5) * 10);
+    } catch (...) {
+      code = 1;
+    }
+    _exit(code);
+  }
+  Check(child > 0, "fork");
+  at::Tensor value = future->Wait(kWaitMs);
+  int status = 0;
+  waitpid(child, &status, 0);
+  Check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the producer process succeeded");
+  Check(value.equal(torch::arange(5) * 10), "the value set in the other process arrives");
+  ExpectError([] { dtorch::CreateTensorPromiseFromSerialized("dtorch-promise:1:file:x"); },
+              "invalid serialized promise", "a malformed serialized promise");
+  Check(dtorch::TensorPromiseFor(torch::ones(1), true)->Kind() == "memory",
+        "a CPU tensor's pair is a memory one");
+}
+
 // (e) A TorchScript module saved by Python that calls torch.ops.dtorch.* loads and runs.
 void RunScriptedModule(const std::string& path) {
   torch::jit::Module module = torch::jit::load(path);
@@ -119,6 +151,7 @@ int main(int argc, char** argv) {
     TimeoutKeepsFutureValid();
     DroppedPromiseBreaks();
     SyncDevices();
+    FilePromiseAcrossProcesses();
     if (argc > 1) RunScriptedModule(argv[1]);
   } catch (const c10::Error& e) {
     std::cerr << "cpp example: FAILED: " << e.what_without_backtrace() << "\n";

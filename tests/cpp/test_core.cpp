@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
+#include <stdexcept>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -22,7 +24,9 @@
 
 #include "core/completion_detectors.h"
 #include "core/completion_pool.h"
+#include "core/file_kind.h"
 #include "core/fork_generation.h"
+#include "core/kind_registry.h"
 #include "core/library_threads.h"
 #include "core/promise_future.h"
 #include "core/ready_notifier.h"
@@ -40,6 +44,12 @@ static int g_passed = 0;
     }                                                                          \
   } while (0)
 
+// FutureBackend::WaitUntil, `ms` from now.
+template <typename T>
+static bool WaitMs(const FutureBackend<T>& future, int64_t ms) {
+  return future.WaitUntil(std::chrono::steady_clock::now() + std::chrono::milliseconds(ms));
+}
+
 template <typename Fn>
 static FutureErrc ErrorCodeOf(Fn&& fn) {
   try {
@@ -55,14 +65,14 @@ static void TestValueAndConsume() {
   MemoryPromise<int> promise;
   auto future = promise.GetFuture();
   CHECK(future->Valid() && !future->IsReady());
-  CHECK(!future->WaitFor(10));  // timeout: not consumed, still valid
+  CHECK(!WaitMs(*future, 10));  // timeout: not consumed, still valid
   CHECK(future->Valid());
   promise.SetValue(7);
-  CHECK(future->IsReady() && future->WaitFor(0));
+  CHECK(future->IsReady() && WaitMs(*future, 0));
   CHECK(future->Get() == 7);
   CHECK(!future->Valid() && !future->IsReady());
   CHECK(ErrorCodeOf([&] { future->Get(); }) == FutureErrc::kNoState);
-  CHECK(ErrorCodeOf([&] { future->WaitFor(0); }) == FutureErrc::kNoState);
+  CHECK(ErrorCodeOf([&] { WaitMs(*future, 0); }) == FutureErrc::kNoState);
   ++g_passed;
 }
 
@@ -71,7 +81,7 @@ static void TestSetTwiceKeepsFirst() {
   auto future = promise.GetFuture();
   promise.SetValue("first");
   CHECK(ErrorCodeOf([&] { promise.SetValue("second"); }) == FutureErrc::kPromiseAlreadySatisfied);
-  CHECK(ErrorCodeOf([&] { promise.SetException("late"); }) ==
+  CHECK(ErrorCodeOf([&] { promise.SetError(FutureErrc::kProducerError, "late"); }) ==
         FutureErrc::kPromiseAlreadySatisfied);
   CHECK(future->Get() == "first");
   CHECK(ErrorCodeOf([&] { promise.GetFuture(); }) == FutureErrc::kFutureAlreadyRetrieved);
@@ -82,7 +92,7 @@ static void TestExceptionAndBrokenPromise() {
   {
     MemoryPromise<int> promise;
     auto future = promise.GetFuture();
-    promise.SetException("disk on fire");
+    promise.SetError(FutureErrc::kProducerError, "disk on fire");
     try {
       future->Get();
       CHECK(false);
@@ -378,15 +388,18 @@ static void TestFailedThreadStartQueuesNothing() {
 }
 
 // Completes `promise` with 1 once the device reaches 1, or with the error it is given.
+// As the device kernels do: claimed when submitted, completed once the fake device reached 1.
 struct PromiseCompletion final : PendingCompletion {
-  PromiseCompletion(FakeDevice* d, MemoryPromise<int>* p) : device(d), promise(p) {}
+  PromiseCompletion(FakeDevice* d, MemoryPromise<int>* p) : device(d), promise(p) {
+    promise->Claim("PromiseCompletion");
+  }
   bool Poll() override { return device->Reached(1); }
   void Complete(std::exception_ptr error) noexcept override {
-    if (!error) return promise->SetValue(1);
+    if (!error) return promise->Complete(Result<int>::Value(1));
     try {
       std::rethrow_exception(error);
     } catch (const FutureError& e) {
-      promise->SetError(e.code(), e.detail());
+      promise->Complete(Result<int>::Error(e.code(), e.detail()));
     }
   }
   FakeDevice* device;
@@ -401,7 +414,7 @@ static void TestFork() {
   MemoryPromise<int> promise;
   auto future = promise.GetFuture();
   detectors.Submit("parent", std::make_unique<PromiseCompletion>(&device, &promise));
-  std::thread waiter([&] { CHECK(future->WaitFor(10'000)); });  // blocked across the fork
+  std::thread waiter([&] { CHECK(WaitMs(*future, 10'000)); });  // blocked across the fork
   std::this_thread::sleep_for(50ms);
   const uint64_t generation = ForkGeneration();
   const pid_t pid = ::fork();
@@ -446,7 +459,7 @@ static void TestForkWhileAWaiterHoldsTheLock() {
   detectors.Submit("locked", std::make_unique<PromiseCompletion>(&device, &promise));
   std::atomic<bool> stop{false};
   std::thread poller([&] {
-    while (!stop) future->WaitFor(0);
+    while (!stop) WaitMs(*future, 0);
   });
   int hung = 0;
   for (int i = 0; i < 50; ++i) {
@@ -570,6 +583,203 @@ static void TestReadyNotifier() {
   ++g_passed;
 }
 
+// ---- the file kind (a codec of ints; the same process plays both ends, or a forked child) ----
+
+class IntCodec final : public ValueCodec<int64_t> {
+ public:
+  std::string_view TypeName() const override { return "int"; }
+  void CheckValue(const int64_t& value) const override {
+    if (value < 0) throw std::invalid_argument("negative");
+  }
+  std::string Header(const int64_t&, size_t* payload_bytes) const override {
+    *payload_bytes = sizeof(int64_t);
+    return "i";
+  }
+  void WritePayload(const int64_t& value, void* payload, size_t) const override {
+    std::memcpy(payload, &value, sizeof(value));
+  }
+  int64_t Read(std::string_view header, void* payload, size_t bytes,
+               std::shared_ptr<void> keep_alive) const override {
+    if (header != "i" || bytes != sizeof(int64_t) || !keep_alive) {
+      throw FutureError(FutureErrc::kInvalidHandle, "bad int");
+    }
+    int64_t value;
+    std::memcpy(&value, payload, sizeof(value));
+    return value;
+  }
+};
+
+static std::vector<std::string> OurSegments() {
+  std::vector<std::string> names;
+  const std::string mine = "dtorch_" + std::to_string(getpid()) + "-";
+  if (DIR* dir = opendir("/dev/shm")) {
+    while (const dirent* entry = readdir(dir)) {
+      if (std::string(entry->d_name).rfind(mine, 0) == 0) names.push_back(entry->d_name);
+    }
+    closedir(dir);
+  }
+  return names;
+}
+
+static std::unique_ptr<FilePromise<int64_t>> Deserialized(const std::string& serialized,
+                                                          std::shared_ptr<IntCodec> codec) {
+  const std::string prefix = SerializedPrefix(kFileKind);
+  CHECK(serialized.rfind(prefix, 0) == 0);
+  return std::make_unique<FilePromise<int64_t>>(
+      FileHandle::Parse(serialized.substr(prefix.size()), "int"), codec);
+}
+
+static void TestFileKindInProcess() {
+  auto codec = std::make_shared<IntCodec>();
+  const size_t segments_before = OurSegments().size();  // this process's doorbell, once made
+  {
+    FilePromise<int64_t> creator(codec);
+    auto future = creator.GetFuture();
+    const std::string serialized = creator.Serialize();
+    auto producer = Deserialized(serialized, codec);
+    CHECK(!WaitMs(*future, 10));
+    producer->SetValue(42);
+    CHECK(WaitMs(*future, 5000) && future->IsReady());
+    // Fulfil once, across handles: the creator's own handle is refused now.
+    CHECK(ErrorCodeOf([&] { creator.SetValue(1); }) == FutureErrc::kPromiseAlreadySatisfied);
+    CHECK(future->Get() == 42);
+    CHECK(!future->Valid());
+    CHECK(ErrorCodeOf([&] { future->Get(); }) == FutureErrc::kNoState);
+    CHECK(ErrorCodeOf([&] { creator.GetFuture(); }) == FutureErrc::kFutureAlreadyRetrieved);
+    CHECK(ErrorCodeOf([&] { producer->GetFuture(); }) == FutureErrc::kFutureAlreadyRetrieved);
+  }
+  {  // an error travels with its code
+    FilePromise<int64_t> creator(codec);
+    auto future = creator.GetFuture();
+    creator.SetError(FutureErrc::kDeviceError, "it broke");
+    try {
+      future->Get();
+      CHECK(false);
+    } catch (const FutureError& e) {
+      CHECK(e.code() == FutureErrc::kDeviceError && e.detail() == "it broke");
+    }
+  }
+  {  // a promise that never left the process breaks when the creator drops it
+    auto creator = std::make_unique<FilePromise<int64_t>>(codec);
+    auto future = creator->GetFuture();
+    std::atomic<bool> called{false};
+    future->OnReady([&] { called = true; });
+    creator.reset();
+    CHECK(ErrorCodeOf([&] { future->Get(); }) == FutureErrc::kBrokenPromise);
+    CHECK(called);
+  }
+  {  // a callback runs on the doorbell watcher when a producer completes the pair
+    FilePromise<int64_t> creator(codec);
+    auto future = creator.GetFuture();
+    auto producer = Deserialized(creator.Serialize(), codec);
+    std::atomic<bool> called{false};
+    future->OnReady([&] { called = true; });
+    CHECK(!called);
+    std::thread([&] { producer->SetValue(7); }).join();
+    CHECK(WaitUntil([&] { return called.load(); }));
+    CHECK(FileWatcherThreads() == 1);
+    CHECK(future->Get() == 7);
+  }
+  {  // a pair that is gone: a producer's set is a no-op, not an error
+    FilePromise<int64_t> creator(codec);
+    const std::string serialized = creator.Serialize();
+    { auto future = creator.GetFuture(); }
+    auto producer = Deserialized(serialized, codec);
+    producer->SetValue(3);  // the creator's handle still lives: the segment does too; fine
+  }
+  // Malformed handles never reach shared memory.
+  const auto parse = [](const std::string& rest) {
+    return ErrorCodeOf([&] { FileHandle::Parse(rest, "int"); });
+  };
+  CHECK(parse("int:dtorch_1-2_00:00") == FutureErrc::kInvalidHandle);
+  CHECK(parse("int:../etc/passwd:00112233445566778899aabbccddeeff") == FutureErrc::kInvalidHandle);
+  CHECK(parse("void:dtorch_1-2_00112233445566778899aabbccddeeff:00112233445566778899aabbccddeeff") ==
+        FutureErrc::kInvalidHandle);
+  CHECK(parse("int:dtorch_1-2_00112233445566778899aabbccddeeff:00112233445566778899aabbccddeefg") ==
+        FutureErrc::kInvalidHandle);
+  // Everything of the pairs is unlinked once they are gone (the doorbell stays while we live).
+  CHECK(OurSegments().size() <= std::max<size_t>(segments_before, 1));
+  ++g_passed;
+}
+
+static void TestFileKindProducerProcesses() {
+  auto codec = std::make_shared<IntCodec>();
+  {  // a forked child fulfils the promise it inherited (it attaches on first use there)
+    FilePromise<int64_t> creator(codec);
+    auto future = creator.GetFuture();
+    const pid_t child = fork();
+    if (child == 0) {
+      creator.SetValue(99);
+      _exit(0);
+    }
+    CHECK(WaitMs(*future, 10'000));
+    CHECK(future->Get() == 99);
+    int status = 0;
+    waitpid(child, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  {  // a producer killed after attaching: "producer died (pid N)", within about a second
+    FilePromise<int64_t> creator(codec);
+    auto future = creator.GetFuture();
+    const std::string serialized = creator.Serialize();
+    const pid_t child = fork();
+    if (child == 0) {
+      auto producer = Deserialized(serialized, codec);
+      try {
+        producer->SetValue(-1);  // refused by the codec: the process attached nonetheless
+      } catch (const std::invalid_argument&) {
+      }
+      for (;;) pause();
+    }
+    std::this_thread::sleep_for(300ms);
+    kill(child, SIGKILL);
+    const auto start = std::chrono::steady_clock::now();
+    CHECK(WaitMs(*future, 10'000));
+    CHECK(std::chrono::steady_clock::now() - start < 3s);
+    try {
+      future->Get();
+      CHECK(false);
+    } catch (const FutureError& e) {
+      CHECK(e.code() == FutureErrc::kBrokenPromise);
+      CHECK(e.detail().find("producer died (pid " + std::to_string(child) + ")") !=
+            std::string::npos);
+    }
+    waitpid(child, nullptr, 0);
+  }
+  ++g_passed;
+}
+
+static void TestKindRegistry() {
+  KindRegistry<int64_t> kinds("IntPromise");
+  kinds.Register(kMemoryKind, {[](std::string_view) {
+                                 return std::make_unique<MemoryPromise<int64_t>>();
+                               },
+                               nullptr, ""});
+  kinds.Register(kNetworkKind, {nullptr, nullptr, "is not available in this build yet"});
+  CHECK(std::string(kinds.Create("memory")->Kind()) == "memory");
+  bool refused = false;
+  try {
+    kinds.Create("network://host:1");
+  } catch (const std::invalid_argument& e) {
+    refused = std::string(e.what()).find("not available") != std::string::npos;
+  }
+  CHECK(refused);
+  CHECK(ErrorCodeOf([&] { kinds.Deserialize("dtorch-promise:1:memory:x"); }) ==
+        FutureErrc::kInvalidHandle);
+  CHECK(ErrorCodeOf([&] { kinds.Deserialize("dtorch-promise:2:file:x"); }) ==
+        FutureErrc::kInvalidHandle);
+  CHECK(ErrorCodeOf([&] { kinds.Deserialize(std::string(600, 'a')); }) ==
+        FutureErrc::kInvalidHandle);
+  CHECK(ErrorCodeOf([&] { MemoryPromise<int64_t>().Serialize(); }) ==
+        FutureErrc::kCannotLeaveProcess);
+  // Result<T>: one value or one coded error.
+  auto ok = Result<int64_t>::Value(5);
+  CHECK(ok.ok() && ok.TakeOrThrow() == 5);
+  auto failed = Result<int64_t>::Error(FutureErrc::kProducerError, "no");
+  CHECK(!failed.ok() && ErrorCodeOf([&] { failed.TakeOrThrow(); }) == FutureErrc::kProducerError);
+  ++g_passed;
+}
+
 // Last: the library's threads cannot be used afterwards.
 static void TestStopAtExit() {
   auto& detectors = CompletionDetectors::Instance();
@@ -633,6 +843,9 @@ int main() {
   TestFork();
   TestForkWhileAWaiterHoldsTheLock();
   TestPool();
+  TestKindRegistry();
+  TestFileKindInProcess();
+  TestFileKindProducerProcesses();
   TestStopAtExit();
   std::printf("core tests: %d passed\n", g_passed);
   return 0;

@@ -1,0 +1,907 @@
+#include "boost_config.h"  // first: checks the Boost version
+
+#include "file_kind.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <new>
+#include <optional>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <boost/interprocess/sync/interprocess_mutex.hpp>
+#include <boost/interprocess/sync/scoped_lock.hpp>
+
+#include "fork_generation.h"
+#include "kind_registry.h"
+
+namespace dtorch::core {
+namespace bip = boost::interprocess;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr uint64_t kControlMagic = 0x3170666863726f74ULL;  // "torchfp1" (little-endian)
+constexpr uint64_t kDoorbellMagic = 0x3162646863726f74ULL;  // "torchdb1"
+constexpr uint32_t kLayoutVersion = 1;
+constexpr size_t kSegmentBytes = 4096;  // a control segment and a doorbell: one page each
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kTypeNameBytes = 16;
+constexpr uint32_t kMaxProducers = 32;
+constexpr size_t kMaxDetailBytes = 1024;
+constexpr size_t kNameField = shm::kMaxSegmentNameBytes + 1;  // NUL-terminated
+
+// The state word: a phase, and (claimed, value, error) who claimed it.
+constexpr uint32_t kPending = 0, kClaimed = 1, kValue = 2, kError = 3;
+constexpr uint32_t kCreatorClaimant = 0xfe;   // the creator's own promise handle
+constexpr uint32_t kConsumerClaimant = 0xfd;  // the consumer, breaking the pair
+uint32_t Phase(uint32_t state) { return state & 0xff; }
+uint32_t Claimant(uint32_t state) { return state >> 8; }
+uint32_t State(uint32_t phase, uint32_t claimant) { return phase | (claimant << 8); }
+bool IsDone(uint32_t state) { return Phase(state) == kValue || Phase(state) == kError; }
+
+// flags
+constexpr uint32_t kLeftProcess = 1;     // serialized (or the creator forked)
+constexpr uint32_t kCreatorDropped = 2;  // the creator's promise handle is gone
+constexpr uint32_t kConsumerGone = 4;    // the pair is gone: a payload published now is unlinked
+
+// A producer entry's state.
+constexpr uint32_t kAttached = 1, kDropped = 2, kExited = 3;
+
+// The liveness check of pending pairs (and the doorbell watcher's longest sleep).
+constexpr milliseconds kLivenessPeriod{250};
+// How long "no producer left" must hold before the pair breaks: a process dropping its last
+// handle may be about to attach anew.
+constexpr milliseconds kNoProducerGrace{500};
+constexpr milliseconds kWatcherIdleExit{2000};
+constexpr int64_t kDefaultAttachTimeoutMs = 30000;
+constexpr char kWatcherThreadName[] = "dtorch-doorbell";
+constexpr int kLockTimeoutS = 10;
+
+}  // namespace
+
+struct ProducerEntry {
+  std::atomic<int32_t> pid;
+  std::atomic<uint64_t> start_time;
+  std::atomic<uint32_t> state;
+};
+
+struct FileControlBlock {
+  // Written once by the creator, before the name is known to anybody.
+  uint64_t magic;
+  uint32_t layout_version;
+  char type_name[kTypeNameBytes];
+  unsigned char nonce[kNonceBytes];
+  int32_t creator_pid;
+  uint64_t creator_start;
+  char doorbell[kNameField];
+  unsigned char doorbell_nonce[kNonceBytes];
+
+  std::atomic<uint32_t> state;    // the futex word
+  std::atomic<uint32_t> waiters;  // consumer threads sleeping on `state`
+  std::atomic<uint32_t> flags;
+  std::atomic<int64_t> creator_dropped_ms;  // steady clock (CLOCK_MONOTONIC), for the deadline
+  std::atomic<uint32_t> producer_count;     // entries in use; grows only, under producers_mu
+  bip::interprocess_mutex producers_mu;     // robust; guards adding producer entries
+  ProducerEntry producers[kMaxProducers];
+
+  // The completion, written by the claimant before `state` says value or error.
+  uint32_t error_code;
+  uint32_t detail_bytes;
+  char detail[kMaxDetailBytes];
+  char payload[kNameField];  // written before the payload segment is created
+  uint64_t payload_bytes;
+  uint32_t header_bytes;
+  char header[kMaxValueHeaderBytes];
+};
+static_assert(sizeof(FileControlBlock) <= kSegmentBytes);
+static_assert(std::atomic<uint32_t>::is_always_lock_free &&
+              std::atomic<uint64_t>::is_always_lock_free);
+
+struct DoorbellBlock {
+  uint64_t magic;
+  unsigned char nonce[kNonceBytes];
+  std::atomic<uint32_t> rings;     // the futex word: bumped by every completion
+  std::atomic<uint32_t> sleeping;  // the watcher sleeps on `rings`: wake it
+};
+static_assert(sizeof(DoorbellBlock) <= kSegmentBytes);
+
+namespace {
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<milliseconds>(Clock::now().time_since_epoch()).count();
+}
+
+std::string ReadName(const char (&field)[kNameField]) {
+  return std::string(field, strnlen(field, kNameField));
+}
+
+void WriteName(char (&field)[kNameField], const std::string& name) {
+  std::memset(field, 0, kNameField);
+  std::memcpy(field, name.data(), std::min(name.size(), kNameField - 1));
+}
+
+bool ParseHex(std::string_view hex, unsigned char* out, size_t bytes) {
+  if (hex.size() != 2 * bytes) return false;
+  const auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < bytes; ++i) {
+    const int high = digit(hex[2 * i]), low = digit(hex[2 * i + 1]);
+    if (high < 0 || low < 0) return false;
+    out[i] = static_cast<unsigned char>(high * 16 + low);
+  }
+  return true;
+}
+
+void Ring(DoorbellBlock* doorbell) noexcept {
+  if (doorbell == nullptr) return;
+  doorbell->rings.fetch_add(1);
+  if (doorbell->sleeping.load() != 0) shm::FutexWakeAll(&doorbell->rings);
+}
+
+FutureError InvalidSegment(const std::string& name, const std::string& why) {
+  return FutureError(FutureErrc::kInvalidHandle,
+                     "/dev/shm/" + name + " is not the promise this handle names (" + why + ")");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Completing: what the creator's handle and a producer's attachment share.
+
+class ChannelBase : public FileChannel {
+ public:
+  ChannelBase(std::shared_ptr<shm::Segment> control, uint32_t claimant,
+              std::shared_ptr<shm::Segment> doorbell)
+      : control_(std::move(control)), claimant_(claimant), doorbell_(std::move(doorbell)) {}
+
+  bool TryClaim() override {
+    uint32_t expected = State(kPending, 0);
+    return block()->state.compare_exchange_strong(expected, State(kClaimed, claimant_));
+  }
+
+  void PublishValue(const std::string& header, size_t payload_bytes,
+                    const std::function<void(void*)>& write) override {
+    auto* b = block();
+    if (header.size() > kMaxValueHeaderBytes) {
+      FutureError error(FutureErrc::kInvalidHandle, "the value's header does not fit");
+      PublishError({error.code(), error.detail()});
+      throw error;
+    }
+    std::string name;
+    if (payload_bytes > 0) {
+      // Named for the consumer (its death reaps it), recorded before it exists (the consumer
+      // unlinks it if this process dies while writing it).
+      name = shm::NewSegmentName({b->creator_pid, b->creator_start});
+      WriteName(b->payload, name);
+      try {
+        auto payload = shm::Segment::Create(name, payload_bytes);
+        write(payload->data());
+      } catch (const FutureError& e) {
+        shm::Unlink(name);
+        PublishError({e.code(), e.detail()});
+        throw;
+      } catch (const std::exception& e) {
+        shm::Unlink(name);
+        PublishError({FutureErrc::kProducerError, std::string("writing the value failed: ") +
+                                                      e.what()});
+        throw;
+      }
+    } else {
+      WriteName(b->payload, "");
+    }
+    b->payload_bytes = payload_bytes;
+    b->header_bytes = static_cast<uint32_t>(header.size());
+    std::memcpy(b->header, header.data(), header.size());
+    Finish(kValue);
+    // The pair went away meanwhile, or its consumer died: nobody will map the payload (Dekker
+    // with the consumer's destructor, which sets kConsumerGone and then reads the state; a dead
+    // consumer's is otherwise reaped later, by name).
+    if (!name.empty() && ((b->flags.load() & kConsumerGone) ||
+                          (kill(b->creator_pid, 0) != 0 && errno == ESRCH))) {
+      shm::Unlink(name);
+    }
+  }
+
+  void PublishError(const ErrorInfo& error) noexcept override {
+    auto* b = block();
+    b->error_code = static_cast<uint32_t>(error.code);
+    const size_t bytes = std::min(error.detail.size(), kMaxDetailBytes);
+    std::memcpy(b->detail, error.detail.data(), bytes);
+    b->detail_bytes = static_cast<uint32_t>(bytes);
+    Finish(kError);
+  }
+
+ protected:
+  FileControlBlock* block() const { return static_cast<FileControlBlock*>(control_->data()); }
+  DoorbellBlock* doorbell() const {
+    return doorbell_ ? static_cast<DoorbellBlock*>(doorbell_->data()) : nullptr;
+  }
+
+ private:
+  void Finish(uint32_t phase) noexcept {
+    auto* b = block();
+    b->state.store(State(phase, claimant_));  // seq_cst: pairs with the waiters' count
+    if (b->waiters.load() != 0) shm::FutexWakeAll(&b->state);
+    Ring(doorbell());
+  }
+
+  const std::shared_ptr<shm::Segment> control_;
+  const uint32_t claimant_;
+  const std::shared_ptr<shm::Segment> doorbell_;
+};
+
+// A producer process's attachment: its entry in the producer table.
+class ProducerAttachment final : public ChannelBase {
+ public:
+  ProducerAttachment(std::shared_ptr<shm::Segment> control, uint32_t slot,
+                     std::shared_ptr<shm::Segment> doorbell)
+      : ChannelBase(std::move(control), slot, std::move(doorbell)),
+        slot_(slot),
+        pid_(shm::Self().pid) {}
+
+  ~ProducerAttachment() override { Leave(kDropped); }
+
+  // This process no longer produces: its handles are gone (kDropped) or it exits (kExited).
+  void Leave(uint32_t why) noexcept {
+    if (shm::Self().pid != pid_) return;  // a forked child's copy: the entry is the parent's
+    uint32_t attached = kAttached;
+    if (block()->producers[slot_].state.compare_exchange_strong(attached, why)) Ring(doorbell());
+  }
+
+ private:
+  const uint32_t slot_;
+  const int32_t pid_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The process-wide parts: the doorbell watcher and the producer attachments.
+
+class ConsumerImpl;
+std::atomic<int64_t> attach_timeout_ms{kDefaultAttachTimeoutMs};
+// Forks of this process (counted in the parent): a pair created before one may have reached the
+// child without being serialized.
+std::atomic<uint64_t> forks_in_parent{0};
+
+struct ProcessState {
+  std::mutex mu;
+  std::condition_variable watcher_exited;
+  // Everything below is guarded by mu.
+  std::vector<std::weak_ptr<ConsumerImpl>> consumers;  // this process's pending pairs
+  std::shared_ptr<shm::Segment> doorbell;              // this process's doorbell (made on demand)
+  std::string doorbell_name;
+  bool watcher_running = false;
+  bool stopping = false;
+  // This process's producer attachments, by control segment.
+  std::map<std::string, std::weak_ptr<ProducerAttachment>> attachments;
+  // Consumers' doorbells mapped here as a producer, by name.
+  std::map<std::string, std::weak_ptr<shm::Segment>> doorbells;
+};
+
+// Replaced (the old one leaked) in a fork child: its mutex may be held by a thread of the parent.
+ProcessState* process_state = new ProcessState();
+
+void EnsureWatcherLocked(ProcessState& state);
+
+DoorbellBlock* AsDoorbell(const std::shared_ptr<shm::Segment>& segment) {
+  return static_cast<DoorbellBlock*>(segment->data());
+}
+
+// This process's doorbell, made on first use.
+std::shared_ptr<shm::Segment> OwnDoorbellLocked(ProcessState& state) {
+  if (!state.doorbell) {
+    auto name = shm::NewSegmentName(shm::Self());
+    std::shared_ptr<shm::Segment> segment = shm::Segment::Create(name, kSegmentBytes);
+    auto* block = new (segment->data()) DoorbellBlock();
+    shm::RandomBytes(block->nonce, kNonceBytes);
+    block->magic = kDoorbellMagic;
+    state.doorbell = std::move(segment);
+    state.doorbell_name = std::move(name);
+  }
+  return state.doorbell;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The consumer.
+
+class ConsumerImpl final : public FileConsumer,
+                           public std::enable_shared_from_this<ConsumerImpl> {
+ public:
+  ConsumerImpl(std::shared_ptr<shm::Segment> control, FileHandle handle,
+               std::shared_ptr<shm::Segment> doorbell)
+      : control_(std::move(control)),
+        handle_(std::move(handle)),
+        doorbell_(std::move(doorbell)),
+        creator_(shm::Self()),
+        forks_at_creation_(forks_in_parent.load()) {}
+
+  ~ConsumerImpl() override {
+    if (!InCreatorProcess()) return;  // a forked child's copy: the pair is the parent's
+    block()->flags.fetch_or(kConsumerGone);
+    if (Phase(block()->state.load()) == kValue) UnlinkPayload();  // published, never taken
+    UnlinkControl();
+  }
+
+  const FileHandle& handle() const override { return handle_; }
+  bool InCreatorProcess() const override { return shm::Self() == creator_; }
+
+  std::shared_ptr<FileChannel> CreatorChannel() override {
+    return std::make_shared<ChannelBase>(control_, kCreatorClaimant, doorbell_);
+  }
+
+  void MarkLeftProcess() override { block()->flags.fetch_or(kLeftProcess); }
+
+  void CreatorDropped() override {
+    auto* b = block();
+    if (IsDone(b->state.load())) return;
+    const bool left = (b->flags.load() & kLeftProcess) || forks_in_parent != forks_at_creation_;
+    if (!left) {
+      Break(b->state.load(), FutureErrc::kBrokenPromise,
+            "the promise was destroyed before a value or an exception was set");
+      return;
+    }
+    b->creator_dropped_ms = NowMs();
+    b->flags.fetch_or(kCreatorDropped);
+  }
+
+  bool RetrieveFuture() override { return !future_retrieved_.exchange(true); }
+
+  bool WaitUntil(Deadline deadline) const override {
+    CheckUsable();
+    auto* b = block();
+    for (;;) {
+      uint32_t state = b->state.load();
+      if (IsDone(state)) {
+        NotifyReady();
+        return true;
+      }
+      const auto now = Clock::now();
+      if (now >= deadline) return false;
+      b->waiters.fetch_add(1);
+      state = b->state.load();  // after counting ourselves: the producer then sees the count
+      if (!IsDone(state)) {
+        // Slices: deadlines far away, and a producer that died without waking us (the
+        // watcher's check breaks the pair and wakes us then).
+        shm::FutexWait(&b->state, state, std::min<Clock::duration>(deadline - now, kLivenessPeriod));
+      }
+      b->waiters.fetch_sub(1);
+    }
+  }
+
+  bool IsReady() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !retrieved_ && IsDone(block()->state.load());
+  }
+
+  bool Valid() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !retrieved_;
+  }
+
+  void OnReady(std::function<void()> callback) override {
+    has_callbacks_ = true;
+    ready_->OnReady(std::move(callback));
+    if (IsDone(block()->state.load())) NotifyReady();
+  }
+
+  PublishedValue Take() override {
+    WaitUntil(Deadline::max());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ThrowIfRetrievedLocked();
+      retrieved_ = true;
+    }
+    auto* b = block();
+    const uint32_t state = b->state.load();
+    if (Phase(state) == kError) {
+      UnlinkControl();
+      throw ReadError().ToException();
+    }
+    PublishedValue value;
+    const size_t header_bytes = b->header_bytes;
+    const size_t payload_bytes = b->payload_bytes;
+    const std::string payload = ReadName(b->payload);
+    if (header_bytes > kMaxValueHeaderBytes) {
+      UnlinkPayload();
+      UnlinkControl();
+      throw FutureError(FutureErrc::kInvalidHandle, "the published value's header is corrupt");
+    }
+    value.header.assign(b->header, header_bytes);
+    if (payload_bytes > 0) {
+      std::unique_ptr<shm::Segment> segment;
+      try {
+        if (!ValidPayloadName(payload)) {
+          throw FutureError(FutureErrc::kInvalidHandle, "the published payload's name is corrupt");
+        }
+        segment = shm::Segment::Open(payload, payload_bytes);
+      } catch (...) {
+        UnlinkPayload();
+        UnlinkControl();
+        throw;
+      }
+      shm::Unlink(payload);  // mapped: the name is no longer needed
+      UnlinkControl();
+      if (!segment) {
+        throw FutureError(FutureErrc::kSharedMemory,
+                          "the value's payload segment /dev/shm/" + payload + " is gone");
+      }
+      value.payload = segment->data();
+      value.payload_bytes = payload_bytes;
+      value.keep_alive = std::shared_ptr<shm::Segment>(std::move(segment));
+    } else {
+      UnlinkControl();
+    }
+    return value;
+  }
+
+  // ---- for the watcher ----
+
+  bool HasCallbacks() const { return has_callbacks_; }
+
+  // Whether the pair is complete (it then leaves the watcher); breaks it when its producers are
+  // gone. `alive` memoizes process liveness for one round.
+  bool Check(Clock::time_point now, bool liveness,
+             const std::function<bool(const shm::ProcessId&)>& alive) {
+    auto* b = block();
+    const uint32_t state = b->state.load();
+    if (IsDone(state)) {
+      NotifyReady();
+      return true;
+    }
+    if (!liveness) return false;
+    if (Phase(state) == kClaimed && Claimant(state) < kMaxProducers) {
+      auto& entry = b->producers[Claimant(state)];
+      const shm::ProcessId producer{entry.pid.load(), entry.start_time.load()};
+      if (!alive(producer)) {
+        Break(state, FutureErrc::kBrokenPromise,
+              "producer died (pid " + std::to_string(producer.pid) + ") while setting the value");
+      }
+      return false;
+    }
+    if (Phase(state) != kPending) return false;
+    const uint32_t count = std::min(b->producer_count.load(std::memory_order_acquire),
+                                    kMaxProducers);
+    if (count > 0) {
+      int32_t died = 0, exited = 0;
+      for (uint32_t i = 0; i < count; ++i) {
+        auto& entry = b->producers[i];
+        const uint32_t entry_state = entry.state.load();
+        const shm::ProcessId producer{entry.pid.load(), entry.start_time.load()};
+        if (entry_state == kAttached) {
+          if (alive(producer)) {
+            no_producer_since_.reset();
+            return false;
+          }
+          if (died == 0) died = producer.pid;
+        } else if (entry_state == kExited && exited == 0) {
+          exited = producer.pid;
+        }
+      }
+      if (!no_producer_since_) no_producer_since_ = now;
+      if (now - *no_producer_since_ < kNoProducerGrace) return false;
+      std::string why =
+          died != 0 ? "producer died (pid " + std::to_string(died) + ") without setting a value"
+          : exited != 0
+              ? "producer exited (pid " + std::to_string(exited) + ") without setting a value"
+              : std::string("every producer dropped the promise without setting a value");
+      Break(state, FutureErrc::kBrokenPromise, why);
+      return false;
+    }
+    if ((b->flags.load() & kCreatorDropped) &&
+        NowMs() - b->creator_dropped_ms.load() >= attach_timeout_ms.load()) {
+      Break(state, FutureErrc::kBrokenPromise,
+            "no producer attached within " + std::to_string(attach_timeout_ms.load()) +
+                " ms after the creator dropped its promise (config.attach_timeout_s)");
+    }
+    return false;
+  }
+
+  // At exit: this process will not take its value; leave nothing behind.
+  void UnlinkAtExit() {
+    if (!InCreatorProcess()) return;
+    block()->flags.fetch_or(kConsumerGone);
+    if (Phase(block()->state.load()) == kValue) UnlinkPayload();
+    UnlinkControl();
+  }
+
+ private:
+  FileControlBlock* block() const { return static_cast<FileControlBlock*>(control_->data()); }
+
+  void CheckUsable() const {
+    if (!InCreatorProcess()) {
+      throw FutureError(FutureErrc::kCannotLeaveProcess,
+                        "a file future belongs to the process that created its pair; this is a "
+                        "forked child of it. Create the pair in this process instead");
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    ThrowIfRetrievedLocked();
+  }
+
+  void ThrowIfRetrievedLocked() const {
+    if (retrieved_) {
+      throw FutureError(FutureErrc::kNoState,
+                        "get() was already called on this future; a future yields its value once");
+    }
+  }
+
+  void NotifyReady() const { ready_->TryComplete(Result<Unit>::Value({})); }
+
+  ErrorInfo ReadError() const {
+    auto* b = block();
+    const uint32_t code = b->error_code;
+    const size_t bytes = std::min<size_t>(b->detail_bytes, kMaxDetailBytes);
+    std::string detail(b->detail, bytes);
+    if (code > static_cast<uint32_t>(FutureErrc::kSharedMemory)) {
+      return {FutureErrc::kInvalidHandle, "the published error is corrupt"};
+    }
+    return {static_cast<FutureErrc>(code), std::move(detail)};
+  }
+
+  // Completes the pair with an error from here, unless it moved on from `expected` meanwhile.
+  void Break(uint32_t expected, FutureErrc code, const std::string& detail) {
+    auto* b = block();
+    if (!b->state.compare_exchange_strong(expected, State(kClaimed, kConsumerClaimant))) return;
+    if (Phase(expected) == kClaimed) UnlinkPayload();  // its producer died writing it
+    ChannelBase(control_, kConsumerClaimant, doorbell_).PublishError({code, detail});
+    NotifyReady();
+  }
+
+  bool ValidPayloadName(const std::string& name) const {
+    shm::ProcessId owner;
+    return shm::ParseSegmentName(name, &owner) && owner == creator_;
+  }
+
+  void UnlinkPayload() {
+    const std::string name = ReadName(block()->payload);
+    if (ValidPayloadName(name)) shm::Unlink(name);
+  }
+
+  void UnlinkControl() {
+    if (!control_unlinked_.exchange(true)) shm::Unlink(handle_.segment);
+  }
+
+  const std::shared_ptr<shm::Segment> control_;
+  const FileHandle handle_;
+  const std::shared_ptr<shm::Segment> doorbell_;
+  const shm::ProcessId creator_;
+  const uint64_t forks_at_creation_;
+  const std::shared_ptr<SharedState<Unit>> ready_ = std::make_shared<SharedState<Unit>>();
+  std::atomic<bool> future_retrieved_{false};
+  std::atomic<bool> control_unlinked_{false};
+  std::atomic<bool> has_callbacks_{false};
+  mutable std::mutex mu_;
+  bool retrieved_ = false;  // guarded by mu_
+  std::optional<Clock::time_point> no_producer_since_;  // the watcher's only
+};
+
+// ---------------------------------------------------------------------------------------------
+// The doorbell watcher: one thread per consumer process while it has pending pairs.
+
+void RunWatcher(ProcessState* state) {
+  auto* doorbell = [&] {
+    std::lock_guard<std::mutex> lock(state->mu);
+    return AsDoorbell(state->doorbell);
+  }();
+  auto next_liveness = Clock::now();
+  auto idle_since = Clock::now();
+  std::map<int32_t, std::pair<shm::ProcessId, bool>> liveness;
+  for (;;) {
+    const uint32_t seen = doorbell->rings.load();
+    std::vector<std::shared_ptr<ConsumerImpl>> consumers;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      if (state->stopping) break;
+      auto& list = state->consumers;
+      consumers.reserve(list.size());
+      list.erase(std::remove_if(list.begin(), list.end(),
+                                [&](const std::weak_ptr<ConsumerImpl>& weak) {
+                                  auto consumer = weak.lock();
+                                  if (!consumer) return true;
+                                  consumers.push_back(std::move(consumer));
+                                  return false;
+                                }),
+                 list.end());
+      const auto now = Clock::now();
+      if (consumers.empty()) {
+        if (now - idle_since >= kWatcherIdleExit) {
+          state->watcher_running = false;
+          state->watcher_exited.notify_all();
+          return;
+        }
+      } else {
+        idle_since = now;
+      }
+    }
+    const auto now = Clock::now();
+    const bool check_liveness = now >= next_liveness;
+    if (check_liveness) {
+      next_liveness = now + kLivenessPeriod;
+      liveness.clear();
+    }
+    const auto alive = [&](const shm::ProcessId& process) {
+      auto it = liveness.find(process.pid);
+      if (it == liveness.end() || !(it->second.first == process)) {
+        it = liveness.insert_or_assign(process.pid, std::make_pair(process, shm::IsAlive(process)))
+                 .first;
+      }
+      return it->second.second;
+    };
+    std::vector<std::shared_ptr<ConsumerImpl>> done;
+    for (auto& consumer : consumers) {
+      if (!check_liveness && !consumer->HasCallbacks()) continue;
+      if (consumer->Check(now, check_liveness, alive)) done.push_back(consumer);
+    }
+    if (!done.empty()) {
+      std::lock_guard<std::mutex> lock(state->mu);
+      auto& list = state->consumers;
+      list.erase(std::remove_if(list.begin(), list.end(),
+                                [&](const std::weak_ptr<ConsumerImpl>& weak) {
+                                  auto consumer = weak.lock();
+                                  return !consumer || std::find(done.begin(), done.end(),
+                                                                consumer) != done.end();
+                                }),
+                 list.end());
+    }
+    consumers.clear();  // outside mu: a last reference may unlink segments
+    done.clear();
+    doorbell->sleeping.store(1);
+    if (doorbell->rings.load() == seen) {
+      shm::FutexWait(&doorbell->rings, seen,
+                     std::max<Clock::duration>(next_liveness - Clock::now(), milliseconds(1)));
+    }
+    doorbell->sleeping.store(0);
+  }
+  std::lock_guard<std::mutex> lock(state->mu);
+  state->watcher_running = false;
+  state->watcher_exited.notify_all();
+}
+
+void EnsureWatcherLocked(ProcessState& state) {
+  if (state.watcher_running || state.stopping) return;
+  std::thread thread([s = &state] { RunWatcher(s); });
+  pthread_setname_np(thread.native_handle(), kWatcherThreadName);
+  thread.detach();
+  state.watcher_running = true;
+}
+
+std::shared_ptr<shm::Segment> ProducerDoorbell(ProcessState& state, const std::string& name,
+                                               const unsigned char* nonce) {
+  std::shared_ptr<shm::Segment> segment;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    segment = state.doorbells[name].lock();
+  }
+  if (!segment) {
+    segment = shm::Segment::Open(name, kSegmentBytes);
+    if (!segment) return nullptr;  // the consumer is exiting
+    std::lock_guard<std::mutex> lock(state.mu);
+    state.doorbells[name] = segment;
+  }
+  const auto* block = AsDoorbell(segment);
+  if (block->magic != kDoorbellMagic || std::memcmp(block->nonce, nonce, kNonceBytes) != 0) {
+    throw InvalidSegment(name, "not the consumer's doorbell");
+  }
+  return segment;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+std::string FileHandle::Serialize() const {
+  return SerializedPrefix(kFileKind) + type_name + ":" + segment + ":" + nonce_hex;
+}
+
+FileHandle FileHandle::Parse(std::string_view rest, std::string_view expected_type) {
+  const auto bad = [](const std::string& why) {
+    return FutureError(FutureErrc::kInvalidHandle,
+                       "a serialized file promise " + why + "; pass the string from serialize()");
+  };
+  FileHandle handle;
+  const auto first = rest.find(':');
+  const auto second = first == std::string_view::npos ? first : rest.find(':', first + 1);
+  if (second == std::string_view::npos || rest.find(':', second + 1) != std::string_view::npos) {
+    throw bad("has the wrong number of fields (expected <type>:<segment>:<nonce>)");
+  }
+  handle.type_name = std::string(rest.substr(0, first));
+  handle.segment = std::string(rest.substr(first + 1, second - first - 1));
+  handle.nonce_hex = std::string(rest.substr(second + 1));
+  if (handle.type_name != expected_type) {
+    const bool known = handle.type_name == "tensor" || handle.type_name == "void";
+    throw bad(known ? "of a " + handle.type_name + " pair, not a " + std::string(expected_type) +
+                          " one (TensorPromise and VoidPromise are not interchangeable)"
+                    : "names no value type this build knows");
+  }
+  if (!shm::ParseSegmentName(handle.segment)) throw bad("names no segment of dtorch's form");
+  unsigned char nonce[kNonceBytes];
+  if (!ParseHex(handle.nonce_hex, nonce, kNonceBytes)) throw bad("has a malformed nonce");
+  return handle;
+}
+
+std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle) {
+  ProcessState& state = *process_state;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    if (auto attached = state.attachments[handle.segment].lock()) return attached;
+  }
+  std::shared_ptr<shm::Segment> control = shm::Segment::Open(handle.segment, kSegmentBytes);
+  if (!control) return nullptr;  // the pair is gone
+  auto* block = static_cast<FileControlBlock*>(control->data());
+  unsigned char nonce[kNonceBytes];
+  ParseHex(handle.nonce_hex, nonce, kNonceBytes);  // validated by Parse
+  shm::ProcessId owner;
+  shm::ParseSegmentName(handle.segment, &owner);
+  if (block->magic != kControlMagic || block->layout_version != kLayoutVersion) {
+    throw InvalidSegment(handle.segment, "no control block of this format");
+  }
+  if (std::memcmp(block->nonce, nonce, kNonceBytes) != 0) {
+    throw InvalidSegment(handle.segment, "the nonce does not match");
+  }
+  if (std::string(block->type_name, strnlen(block->type_name, kTypeNameBytes)) !=
+          handle.type_name ||
+      !(shm::ProcessId{block->creator_pid, block->creator_start} == owner)) {
+    throw InvalidSegment(handle.segment, "its value type or creator does not match");
+  }
+  const std::string doorbell_name = ReadName(block->doorbell);
+  if (!shm::ParseSegmentName(doorbell_name)) {
+    throw InvalidSegment(handle.segment, "its doorbell's name is corrupt");
+  }
+  auto doorbell = ProducerDoorbell(state, doorbell_name, block->doorbell_nonce);
+  if (!doorbell) return nullptr;
+
+  uint32_t slot = 0;
+  try {
+    // Held for a few stores by any live process: a wait this long means a stuck peer.
+    bip::scoped_lock<bip::interprocess_mutex> lock(block->producers_mu, bip::defer_lock);
+    if (!lock.try_lock_for(std::chrono::seconds(kLockTimeoutS))) {
+      throw FutureError(FutureErrc::kSharedMemory,
+                        "another process has held this promise's lock for " +
+                            std::to_string(kLockTimeoutS) + " s; it seems stuck");
+    }
+    slot = block->producer_count.load();
+    if (slot >= kMaxProducers) {
+      throw FutureError(FutureErrc::kSharedMemory,
+                        "more than " + std::to_string(kMaxProducers) +
+                            " processes used this promise; a promise has at most that many "
+                            "producer processes");
+    }
+    const auto self = shm::Self();
+    block->producers[slot].pid = self.pid;
+    block->producers[slot].start_time = self.start_time;
+    block->producers[slot].state = kAttached;
+    block->producer_count.store(slot + 1, std::memory_order_release);
+  } catch (const bip::lock_exception&) {
+    throw FutureError(FutureErrc::kBrokenPromise,
+                      "a producer died holding this promise's lock, so the promise can no longer "
+                      "be used (its future fails with \"producer died\")");
+  }
+  auto attachment = std::make_shared<ProducerAttachment>(std::move(control), slot,
+                                                         std::move(doorbell));
+  std::lock_guard<std::mutex> lock(state.mu);
+  auto& cached = state.attachments[handle.segment];
+  if (auto raced = cached.lock()) return raced;  // another thread attached meanwhile
+  cached = attachment;
+  return attachment;
+}
+
+std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
+  if (type_name.size() >= kTypeNameBytes) {
+    throw std::logic_error("a file kind value type name is at most 15 characters");
+  }
+  ProcessState& state = *process_state;
+  std::shared_ptr<shm::Segment> doorbell;
+  std::string doorbell_name;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    if (state.stopping) {
+      throw FutureError(FutureErrc::kDroppedAtExit,
+                        "file promises cannot be created once the process is exiting");
+    }
+    doorbell = OwnDoorbellLocked(state);
+    doorbell_name = state.doorbell_name;
+  }
+  const auto self = shm::Self();
+  FileHandle handle;
+  handle.type_name = std::string(type_name);
+  handle.segment = shm::NewSegmentName(self);
+  std::shared_ptr<shm::Segment> control = shm::Segment::Create(handle.segment, kSegmentBytes);
+  auto* block = new (control->data()) FileControlBlock();  // zeroed; atomics and mutex built
+  shm::RandomBytes(block->nonce, kNonceBytes);
+  handle.nonce_hex = shm::HexOf(block->nonce, kNonceBytes);
+  std::memcpy(block->type_name, type_name.data(), type_name.size());
+  block->creator_pid = self.pid;
+  block->creator_start = self.start_time;
+  WriteName(block->doorbell, doorbell_name);
+  std::memcpy(block->doorbell_nonce, AsDoorbell(doorbell)->nonce, kNonceBytes);
+  block->layout_version = kLayoutVersion;
+  block->magic = kControlMagic;  // last: a producer checks it first
+
+  auto consumer = std::make_shared<ConsumerImpl>(std::move(control), std::move(handle),
+                                                 std::move(doorbell));
+  std::lock_guard<std::mutex> lock(state.mu);
+  state.consumers.push_back(consumer);
+  EnsureWatcherLocked(state);
+  return consumer;
+}
+
+void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept {
+  ProcessState& state = *process_state;
+  std::vector<std::shared_ptr<ConsumerImpl>> consumers;
+  std::vector<std::shared_ptr<ProducerAttachment>> attachments;
+  {
+    std::unique_lock<std::mutex> lock(state.mu);
+    state.stopping = true;
+    if (state.doorbell) Ring(AsDoorbell(state.doorbell));
+    state.watcher_exited.wait_until(lock, deadline, [&] { return !state.watcher_running; });
+    for (auto& weak : state.consumers) {
+      if (auto consumer = weak.lock()) consumers.push_back(std::move(consumer));
+    }
+    for (auto& [name, weak] : state.attachments) {
+      if (auto attachment = weak.lock()) attachments.push_back(std::move(attachment));
+    }
+    if (state.doorbell) shm::Unlink(state.doorbell_name);
+  }
+  for (auto& consumer : consumers) consumer->UnlinkAtExit();
+  for (auto& attachment : attachments) attachment->Leave(kExited);
+  // Leaked: a pending future may still be destroyed later in the exit, by another thread.
+  new std::vector<std::shared_ptr<ConsumerImpl>>(std::move(consumers));
+  new std::vector<std::shared_ptr<ProducerAttachment>>(std::move(attachments));
+}
+
+void PrepareForkFileKind() noexcept { process_state->mu.lock(); }
+
+void AfterForkFileKindInParent() noexcept {
+  ++forks_in_parent;
+  process_state->mu.unlock();
+}
+
+void AfterForkFileKindInChild() noexcept {
+  // The parent's state (its watcher, its doorbell, its consumers) stays the parent's.
+  process_state = new ProcessState();
+}
+
+int FileWatcherThreads() {
+  std::lock_guard<std::mutex> lock(process_state->mu);
+  return process_state->watcher_running ? 1 : 0;
+}
+
+void SetAttachTimeoutMs(int64_t ms) {
+  if (ms < 0) throw std::invalid_argument("the attach timeout must be >= 0 ms");
+  attach_timeout_ms = std::min(ms, kMaxTimeoutMs);
+}
+
+int64_t AttachTimeoutMs() { return attach_timeout_ms.load(); }
+
+size_t PendingFilePairs() {
+  std::lock_guard<std::mutex> lock(process_state->mu);
+  size_t count = 0;
+  for (const auto& weak : process_state->consumers) count += weak.expired() ? 0 : 1;
+  return count;
+}
+
+void HoldFilePromiseLockForTesting(const FileHandle& handle) {
+  auto channel = AttachFileProducer(handle);
+  if (!channel) throw std::runtime_error("the pair is gone");
+  auto control = shm::Segment::Open(handle.segment, kSegmentBytes);
+  auto* block = static_cast<FileControlBlock*>(control->data());
+  block->producers_mu.lock();
+  for (;;) pause();
+}
+
+namespace {
+// What killed processes left behind goes when the library loads.
+const bool reaped_at_load = (shm::ReapSegmentsOfDeadProcesses(), true);
+}  // namespace
+
+}  // namespace dtorch::core

@@ -1,0 +1,277 @@
+// The "file" kind: a promise/future pair across processes of one host, over POSIX shared memory
+// (Boost.Interprocess) (torch-free; values are written and read by a ValueCodec<T>).
+//
+// Roles. The process that creates the pair (the consumer) owns a control segment: one page
+// holding the completion's state word, the table of producer processes, and the completion
+// itself (an error, or a value's header and the name of its payload segment). The promise is
+// serialized ("dtorch-promise:1:file:<type>:<segment>:<nonce>") and shipped to producers; a
+// producer attaches on first use (not on deserialization: tracing, jit.load and export.load make
+// copies that never produce), registering its process in the table.
+//
+// Completing. The state word goes pending -> claimed (by one producer, a compare-and-swap: fulfil
+// once, across processes) -> value or error. A value is copied, by the producer, into a payload
+// segment of its own (named for the consumer, so that the consumer's death reaps it), before the
+// state says "value". The consumer maps the payload, unlinks its name, and its value views the
+// mapping for as long as it lives.
+//
+// Waking. A thread blocked in Get()/WaitUntil() sleeps on a futex on the state word: the producer
+// wakes it directly (one hop). Callbacks and `await` are served by one doorbell watcher thread per
+// consumer process ("dtorch-doorbell"): producers ring the consumer's doorbell segment (a counter
+// and a futex). Nothing on the wake path is a lock: a killed producer cannot poison it. The robust
+// interprocess mutex of each control segment guards only the producer table.
+//
+// Liveness (checked by the watcher, about every kLivenessPeriodMs). Once a producer has
+// registered, the future fails with "broken promise" when every registered producer has exited,
+// died (SIGKILL included: pid and start time, zombies count as dead) or dropped its handle without
+// setting; a producer that died after claiming fails it at once. A promise that never left its
+// process breaks when the creator drops it; one that did (serialized, or the process forked) and
+// whose creator dropped it fails with "no producer attached" after the attach deadline.
+//
+// Nothing left behind. Segments are created exclusively, mode 0600; the consumer unlinks the
+// control segment when the value is taken or the pair is gone, payloads when mapped (or when
+// dropped unread); at exit a process unlinks what it owns; what a killed process left is reaped
+// when the library next loads in a process of the same user.
+//
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "promise_future.h"
+#include "shared_state.h"
+#include "shm_segment.h"
+#include "value_codec.h"
+
+namespace dtorch::core {
+
+struct FileControlBlock;  // file_kind.cc
+
+// What a serialized file promise names (validated when parsed: untrusted input).
+struct FileHandle {
+  std::string type_name;  // the codec's TypeName()
+  std::string segment;    // the control segment
+  std::string nonce_hex;  // 32 hex digits; must match the nonce stored in the segment
+
+  std::string Serialize() const;
+  // Parses what follows "dtorch-promise:1:file:"; throws FutureError(kInvalidHandle).
+  static FileHandle Parse(std::string_view rest, std::string_view expected_type);
+};
+
+// A value the consumer took: its header and its payload's mapping (kept alive by keep_alive).
+struct PublishedValue {
+  std::string header;
+  void* payload = nullptr;
+  size_t payload_bytes = 0;
+  std::shared_ptr<void> keep_alive;
+};
+
+// One handle's way to complete a pair: the creator's own, or a producer process's attachment
+// (which registered the process in the producer table, and marks its entry dropped when the last
+// handle of that process goes).
+class FileChannel {
+ public:
+  virtual ~FileChannel() = default;
+  // Claims the completion; false if any other handle (of any process) claimed it first.
+  virtual bool TryClaim() = 0;
+  // After TryClaim(): publishes a value (a payload of payload_bytes, filled by `write`), or an
+  // error. PublishValue throws FutureError(kSharedMemory) when the payload cannot be made, after
+  // publishing that error to the consumer instead.
+  virtual void PublishValue(const std::string& header, size_t payload_bytes,
+                            const std::function<void(void*)>& write) = 0;
+  virtual void PublishError(const ErrorInfo& error) noexcept = 0;
+};
+
+// Attaches this process to the pair `handle` names, as a producer (one attachment per process and
+// pair, shared by its handles). nullptr when the pair is gone (its future was taken or dropped, or
+// its consumer exited): there is nobody to deliver to. Throws FutureError(kInvalidHandle) for a
+// segment that is not the one the handle names, kBrokenPromise when the promise's lock was left
+// by a producer that died holding it, kSharedMemory when mapping fails.
+std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle);
+
+// The consumer's end of a pair, in the process that created it.
+class FileConsumer {
+ public:
+  // Creates the control segment and registers the pair with the doorbell watcher.
+  static std::shared_ptr<FileConsumer> Create(std::string_view type_name);
+  virtual ~FileConsumer() = default;
+
+  virtual const FileHandle& handle() const = 0;
+  // Whether this is the process that created the pair (not a forked child of it).
+  virtual bool InCreatorProcess() const = 0;
+  // The creator's own way to complete the pair.
+  virtual std::shared_ptr<FileChannel> CreatorChannel() = 0;
+  // The promise may reach other processes (it was serialized).
+  virtual void MarkLeftProcess() = 0;
+  // The creator's promise handle is gone: breaks the pair at once if it never left the process,
+  // or starts the attach deadline.
+  virtual void CreatorDropped() = 0;
+  // Marks the single future handed out; false if it was already.
+  virtual bool RetrieveFuture() = 0;
+
+  // FutureBackend semantics (promise_future.h).
+  virtual bool WaitUntil(Deadline deadline) const = 0;
+  virtual bool IsReady() const = 0;
+  virtual bool Valid() const = 0;
+  virtual void OnReady(std::function<void()> callback) = 0;
+  // Blocks until complete, then takes the value (throws the error instead); consumes.
+  virtual PublishedValue Take() = 0;
+};
+
+// The library's exit: stops the watcher (by `deadline`), marks this process's producer entries
+// "exited", and unlinks every segment this process still owns.
+void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept;
+// Fork handlers (library_threads.cc).
+void PrepareForkFileKind() noexcept;
+void AfterForkFileKindInParent() noexcept;
+void AfterForkFileKindInChild() noexcept;
+// The doorbell watcher threads (0 or 1), for CountLibraryThreads.
+int FileWatcherThreads();
+// How long a promise in flight whose creator dropped it waits for a producer to attach.
+void SetAttachTimeoutMs(int64_t ms);
+int64_t AttachTimeoutMs();
+// Pending file pairs of this process (registered with the watcher), for tests.
+size_t PendingFilePairs();
+// Test-only: attaches as a producer, takes the promise's lock and never returns (the test kills
+// the process holding it).
+[[noreturn]] void HoldFilePromiseLockForTesting(const FileHandle& handle);
+
+// ---- the kind's backends ----
+
+template <typename T>
+class FileFuture final : public FutureBackend<T> {
+ public:
+  FileFuture(std::shared_ptr<FileConsumer> consumer, std::shared_ptr<const ValueCodec<T>> codec)
+      : consumer_(std::move(consumer)), codec_(std::move(codec)) {}
+
+  T Get() override {
+    PublishedValue taken = consumer_->Take();
+    return codec_->Read(taken.header, taken.payload, taken.payload_bytes,
+                        std::move(taken.keep_alive));
+  }
+  bool WaitUntil(Deadline deadline) const override { return consumer_->WaitUntil(deadline); }
+  bool IsReady() const override { return consumer_->IsReady(); }
+  bool Valid() const override { return consumer_->Valid(); }
+  void OnReady(std::function<void()> callback) override {
+    consumer_->OnReady(std::move(callback));
+  }
+
+ private:
+  const std::shared_ptr<FileConsumer> consumer_;
+  const std::shared_ptr<const ValueCodec<T>> codec_;
+};
+
+template <typename T>
+class FilePromise final : public PromiseBackend<T> {
+ public:
+  // The creator's promise: makes the pair.
+  explicit FilePromise(std::shared_ptr<const ValueCodec<T>> codec)
+      : codec_(std::move(codec)),
+        consumer_(FileConsumer::Create(codec_->TypeName())),
+        handle_(consumer_->handle()) {}
+  // A promise another process serialized: attaches on first use.
+  FilePromise(FileHandle handle, std::shared_ptr<const ValueCodec<T>> codec)
+      : codec_(std::move(codec)), handle_(std::move(handle)) {}
+
+  ~FilePromise() override {
+    if (consumer_ && consumer_->InCreatorProcess()) consumer_->CreatorDropped();
+  }
+
+  void CheckValue(const T& value) const override {
+    Attach();  // a producer whose value was refused is still one (it used the promise)
+    codec_->CheckValue(value);
+  }
+
+  void Complete(Result<T> result) override {
+    const auto channel = Attach();
+    if (!channel) return;  // the pair is gone: nobody will read the value
+    if (!result.ok()) {
+      channel->PublishError(result.error());
+      return;
+    }
+    size_t payload_bytes = 0;
+    const std::string header = codec_->Header(result.value(), &payload_bytes);
+    channel->PublishValue(header, payload_bytes, [&](void* payload) {
+      codec_->WritePayload(result.value(), payload, payload_bytes);
+    });
+  }
+
+  std::unique_ptr<FutureBackend<T>> GetFuture() override {
+    if (!consumer_ || !consumer_->InCreatorProcess()) {
+      throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
+                        "the future of a file pair stays with the process that created it; "
+                        "this promise was deserialized or inherited by a forked child");
+    }
+    if (!consumer_->RetrieveFuture()) {
+      throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
+                        "get_future() was already called on this promise; it has one future");
+    }
+    return std::make_unique<FileFuture<T>>(consumer_, codec_);
+  }
+
+  std::string Serialize() override {
+    if (consumer_ && consumer_->InCreatorProcess()) consumer_->MarkLeftProcess();
+    return handle_.Serialize();
+  }
+  const char* Kind() const override { return "file"; }
+
+ protected:
+  void ClaimShared(const char* producer) override {
+    const auto channel = Attach();
+    if (channel && !channel->TryClaim()) {
+      throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
+                        std::string("this ") + producer + " came second: another handle of the "
+                        "promise (in this or another process) claimed it first. A promise is "
+                        "fulfilled once: use a new one per value");
+    }
+  }
+
+ private:
+  // This handle's channel in this process: the creator's own, or the process's attachment as a
+  // producer (made on first use; made anew in a forked child). Null when the pair is gone.
+  std::shared_ptr<FileChannel> Attach() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int32_t pid = shm::Self().pid;
+    if (!attached_ || attached_pid_ != pid) {
+      channel_ = consumer_ && consumer_->InCreatorProcess() ? consumer_->CreatorChannel()
+                                                           : AttachFileProducer(handle_);
+      attached_ = true;
+      attached_pid_ = pid;
+    }
+    return channel_;
+  }
+
+  const std::shared_ptr<const ValueCodec<T>> codec_;
+  const std::shared_ptr<FileConsumer> consumer_;  // null unless this handle created the pair
+  const FileHandle handle_;
+  mutable std::mutex mu_;
+  mutable bool attached_ = false;                  // guarded by mu_
+  mutable int32_t attached_pid_ = 0;               // guarded by mu_
+  mutable std::shared_ptr<FileChannel> channel_;   // guarded by mu_
+};
+
+// The codec of completion-only pairs (VoidPromise): no header, no payload.
+class UnitCodec final : public ValueCodec<Unit> {
+ public:
+  std::string_view TypeName() const override { return "void"; }
+  void CheckValue(const Unit&) const override {}
+  std::string Header(const Unit&, size_t* payload_bytes) const override {
+    *payload_bytes = 0;
+    return {};
+  }
+  void WritePayload(const Unit&, void*, size_t) const override {}
+  Unit Read(std::string_view header, void*, size_t payload_bytes,
+            std::shared_ptr<void>) const override {
+    if (!header.empty() || payload_bytes != 0) {
+      throw FutureError(FutureErrc::kInvalidHandle, "a void value with a header or payload");
+    }
+    return {};
+  }
+};
+
+}  // namespace dtorch::core

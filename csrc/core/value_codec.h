@@ -1,0 +1,40 @@
+// ValueCodec<T>: how the kinds that cross processes write a value into shared memory and make a
+// value of what they read back (torch-free interface; the tensor codec is torch glue,
+// ops/tensor_codec.h), so that the transport itself never needs to know what a value is.
+//
+// A value travels as a header (at most kMaxValueHeaderBytes: a tensor's dtype, sizes, strides)
+// and a payload (its bytes, possibly none). What a reader gets came from another process: Read
+// checks everything before it builds a value.
+//
+// Thread-safety: codecs are stateless; every method may be called from any thread.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+
+namespace dtorch::core {
+
+inline constexpr size_t kMaxValueHeaderBytes = 1088;
+
+template <typename T>
+class ValueCodec {
+ public:
+  virtual ~ValueCodec() = default;
+  // Names the value type in serialized promises ("tensor", "void").
+  virtual std::string_view TypeName() const = 0;
+  // Throws (saying what to do instead) for a value this codec cannot carry.
+  virtual void CheckValue(const T& value) const = 0;
+  // The header of `value`, and (in *payload_bytes) the size of its payload.
+  virtual std::string Header(const T& value, size_t* payload_bytes) const = 0;
+  // Writes the payload of `value` (payload_bytes of them, as Header said) to `payload`.
+  virtual void WritePayload(const T& value, void* payload, size_t payload_bytes) const = 0;
+  // The value of a header and payload another process wrote (untrusted). `payload` (null when
+  // there are no bytes) is kept alive by `keep_alive` for as long as the value needs it. Throws
+  // FutureError(kInvalidHandle) for anything out of bounds.
+  virtual T Read(std::string_view header, void* payload, size_t payload_bytes,
+                 std::shared_ptr<void> keep_alive) const = 0;
+};
+
+}  // namespace dtorch::core

@@ -1,0 +1,47 @@
+// The core's typed errors (core::FutureError) as c10 errors that keep their code.
+//
+// TorchScript and torch.ops see a c10::Error (RuntimeError; TypeError for a promise that cannot
+// leave its process, ValueError for a malformed serialized promise); dtorch_ops._C maps the code
+// to one of dtorch_ops.errors' exception classes (all subclasses of those), never reading the
+// message.
+#pragma once
+
+#include <string>
+
+#include <c10/util/Exception.h>
+
+#include "../core/future_error.h"
+
+namespace dtorch {
+
+// What every coded error carries besides its c10::Error base.
+class CodedErrorBase {
+ public:
+  explicit CodedErrorBase(core::FutureErrc code) : code_(code) {}
+  virtual ~CodedErrorBase() = default;
+  core::FutureErrc code() const noexcept { return code_; }
+
+ private:
+  core::FutureErrc code_;
+};
+
+template <typename Base>
+class CodedError final : public Base, public CodedErrorBase {
+ public:
+  CodedError(core::FutureErrc code, const std::string& message)
+      : Base(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message),
+        CodedErrorBase(code) {}
+};
+
+// Throws `message` as the c10 error of `code` ("dtorch: <cause>: <detail>" is FutureError's).
+[[noreturn]] void ThrowCoded(core::FutureErrc code, const std::string& message);
+[[noreturn]] inline void ThrowCoded(const core::FutureError& error) {
+  ThrowCoded(error.code(), error.what());
+}
+
+// The code of a c10::Error, if it carries one.
+inline const CodedErrorBase* CodeOf(const c10::Error& error) {
+  return dynamic_cast<const CodedErrorBase*>(&error);
+}
+
+}  // namespace dtorch

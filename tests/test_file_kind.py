@@ -1,0 +1,403 @@
+"""The "file" kind: promise/future pairs across processes of one host, over /dev/shm.
+
+This process is the consumer; one producer process (spawn) serves the whole module, plus a few
+short-lived ones for the start methods. Failures (killed producers, untrusted handles, churn)
+are in test_file_failures.py.
+"""
+import asyncio
+import gc
+import multiprocessing
+import os
+import pickle
+import stat
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as tmp
+
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+
+import dtorch_ops
+import file_producers
+from conftest import WAIT_MS
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def consumer_segments() -> set:
+    """This process's segments: the pairs it created and the payloads sent to it (named for their
+    consumer), and its doorbell."""
+    mine = f"dtorch_{os.getpid()}-"
+    return {name for name in os.listdir("/dev/shm") if name.startswith(mine)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def doorbell_made():
+    """This process's doorbell lives as long as the process: made before the first leak check."""
+    promise, future = file_pair()
+    promise.set_value(torch.ones(1))
+    future.get()
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_in_dev_shm(doorbell_made):
+    before = consumer_segments()
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        gc.collect()
+        left = consumer_segments() - before
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+class Producer:
+    """A producer process running file_producers.serve()."""
+
+    def __init__(self, method: str):
+        ctx = tmp.get_context(method)
+        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=file_producers.serve,
+                                   args=(self.requests, self.results), daemon=True)
+        self.process.start()
+
+    def call(self, function, *args, timeout: float = 90):
+        self.requests.put((function, args))
+        status, value = self.results.get(timeout=timeout)
+        if status == "error":
+            raise RuntimeError(f"in the producer: {value}")
+        return value
+
+    def close(self):
+        self.requests.put(None)
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+
+@pytest.fixture(scope="module")
+def producer():
+    worker = Producer("spawn")
+    yield worker
+    worker.close()
+
+
+def file_pair(cls=dtorch_ops.TensorPromise):
+    promise = cls(kind="file")
+    return promise, promise.get_future()
+
+
+# ---- values ----
+
+CASES = [
+    (torch.float32, (5, 7), "contiguous"),
+    (torch.float64, (4, 6), "transposed"),
+    (torch.float16, (2, 3, 4, 5), "channels_last"),
+    (torch.bfloat16, (3, 8), "sliced"),
+    (torch.int64, (4, 5), "expanded"),
+    (torch.int8, (16,), "contiguous"),
+    (torch.uint8, (3, 3), "transposed"),
+    (torch.bool, (6, 2), "sliced"),
+    (torch.complex64, (3, 4), "conj"),
+    (torch.int32, (0, 4), "contiguous"),
+    (torch.float32, (), "contiguous"),
+]
+
+
+@pytest.mark.parametrize("dtype,shape,layout", CASES, ids=lambda c: str(c).replace("torch.", ""))
+def test_values_of_every_dtype_and_layout_arrive(producer, dtype, shape, layout):
+    promise, future = file_pair()
+    assert promise.kind() == future.kind() == "file"
+    producer.call(file_producers.produce, promise, dtype, shape, layout)
+    value = future.wait(WAIT_MS)
+    expected = file_producers.make_tensor(dtype, shape, layout)
+    assert value.dtype == dtype and value.shape == expected.shape
+    torch.testing.assert_close(value, expected.resolve_conj(), rtol=0, atol=0)
+    if is_non_overlapping_and_dense(expected):
+        assert value.stride() == expected.stride()  # dense layouts keep their strides
+    else:
+        assert value.is_contiguous()
+    assert not future.valid()
+
+
+def test_a_64_mib_value_arrives_and_is_a_writable_view(producer):
+    promise, future = file_pair()
+    value = torch.randn(16 * 1024 * 1024)
+    producer.call(file_producers.set_value, promise, value)
+    received = future.wait(WAIT_MS)
+    assert torch.equal(received, value)
+    # A view of the payload, no longer named in /dev/shm; ours to write.
+    received.add_(1)
+    assert torch.equal(received, value + 1)
+    del received
+
+
+def test_the_value_is_copied_when_set():
+    promise, future = file_pair()
+    value = torch.arange(4.0)
+    promise.set_value(value)
+    value.zero_()
+    assert torch.equal(future.wait(WAIT_MS), torch.arange(4.0))
+
+
+def test_errors_and_second_sets(producer):
+    promise, future = file_pair()
+    producer.call(file_producers.set_exception, promise, "out of data")
+    with pytest.raises(dtorch_ops.errors.ProducerError, match="producer error: out of data"):
+        future.wait(WAIT_MS)
+    promise, future = file_pair()
+    message = producer.call(file_producers.set_twice, promise)
+    assert "promise already satisfied" in message
+    torch.testing.assert_close(future.wait(WAIT_MS), torch.ones(1))
+    # The creator's own handle is refused too, here, at call time.
+    with pytest.raises(dtorch_ops.PromiseAlreadySatisfiedError, match="claimed it first"):
+        promise.set_value(torch.zeros(1))
+
+
+def test_wait_times_out_and_stays_valid(producer):
+    promise, future = file_pair()
+    with pytest.raises(dtorch_ops.FutureTimeoutError, match="still valid"):
+        future.wait(50)
+    assert isinstance(dtorch_ops.FutureTimeoutError("x"), TimeoutError)
+    assert future.valid() and not future.is_ready()
+    producer.call(file_producers.set_value, promise, torch.ones(2))
+    assert torch.equal(future.wait(WAIT_MS), torch.ones(2))
+
+
+def test_a_blocked_get_is_woken_by_the_producer(producer):
+    promise, future = file_pair()
+    result = {}
+
+    def consume():
+        result["value"] = future.get()
+
+    import threading
+
+    waiter = threading.Thread(target=consume, daemon=True)
+    waiter.start()
+    time.sleep(0.1)
+    assert waiter.is_alive()
+    producer.call(file_producers.set_value, promise, torch.full((3,), 5.0))
+    waiter.join(WAIT_MS / 1000)
+    assert torch.equal(result["value"], torch.full((3,), 5.0))
+
+
+def test_device_tensors_are_refused_clearly():
+    import simdev
+
+    simdev.load()
+    promise, future = file_pair()
+    on_device = torch.ones(2, device="simdev")
+    with pytest.raises(RuntimeError, match="carries CPU tensors in this version.*pass t.cpu"):
+        dtorch_ops.get_tensor(on_device, promise)
+    with pytest.raises(RuntimeError, match="carries CPU tensors in this version"):
+        promise.set_value(torch.empty(2, device="meta"))
+    with pytest.raises(RuntimeError, match="strided"):
+        promise.set_value(torch.eye(2).to_sparse())
+    promise.set_value(torch.ones(1))  # nothing was claimed by the refused calls
+    assert torch.equal(future.wait(WAIT_MS), torch.ones(1))
+
+
+# ---- serialization, pickling, start methods ----
+
+
+def test_serialize_from_serialized_and_the_handle_format(producer):
+    promise, future = file_pair()
+    serialized = promise.serialize()
+    magic, version, kind, value_type, segment, nonce = serialized.split(":")
+    assert (magic, version, kind, value_type) == ("dtorch-promise", "1", "file", "tensor")
+    assert segment.startswith(f"dtorch_{os.getpid()}-") and len(nonce) == 32
+    mode = os.stat(f"/dev/shm/{segment}").st_mode
+    assert stat.S_IMODE(mode) == 0o600 and os.stat(f"/dev/shm/{segment}").st_uid == os.geteuid()
+    producer.call(file_producers.produce_from_serialized, serialized, torch.arange(3))
+    assert torch.equal(future.wait(WAIT_MS), torch.arange(3))
+    # The segment is gone once the value is taken.
+    assert not os.path.exists(f"/dev/shm/{segment}")
+    # Deserializing opens nothing (attaching is on first use), and a void handle is no tensor one.
+    void, void_future = file_pair(dtorch_ops.VoidPromise)
+    with pytest.raises(dtorch_ops.InvalidHandleError, match="not a tensor one"):
+        dtorch_ops.TensorPromise.from_serialized(void.serialize())
+    again = dtorch_ops.VoidPromise.from_serialized(void.serialize())
+    assert not void_future.is_ready()
+    again.set_value()
+    assert void_future.wait(WAIT_MS) is None
+
+
+def test_raw_promises_pickle_and_deserialize():
+    raw = torch.classes.dtorch.TensorPromise("file")
+    future = dtorch_ops.TensorFuture(raw.get_future())
+    copy = pickle.loads(pickle.dumps(raw))
+    assert copy.kind() == "file"
+    copy.set_value(torch.ones(2))
+    assert torch.equal(future.wait(WAIT_MS), torch.ones(2))
+    raw2 = torch.classes.dtorch.TensorPromise.from_serialized(
+        torch.classes.dtorch.TensorPromise("file").serialize())
+    assert raw2.kind() == "file"
+
+
+def _set_from_child(promise, value):
+    promise.set_value(value)
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
+def test_a_promise_as_a_process_argument(method):
+    promise, future = file_pair()
+    ctx = multiprocessing.get_context(method)
+    child = ctx.Process(target=_set_from_child, args=(promise, torch.full((2,), 3.0)))
+    child.start()
+    try:
+        assert torch.equal(future.wait(WAIT_MS * 3), torch.full((2,), 3.0))
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def _serve_queue(queue):
+    while (item := queue.get()) is not None:
+        promise, value = item
+        dtorch_ops.get_tensor(value, promise)
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_promises_through_a_torch_multiprocessing_queue(method):
+    ctx = tmp.get_context(method)
+    queue = ctx.Queue()
+    child = ctx.Process(target=_serve_queue, args=(queue,))
+    child.start()
+    try:
+        futures = []
+        for i in range(5):
+            promise, future = file_pair()
+            queue.put((promise, torch.full((4,), float(i))))
+            futures.append(future)
+            del promise  # in flight: the producer attaches when it uses it
+        for i, future in enumerate(futures):
+            assert torch.equal(future.wait(WAIT_MS * 3), torch.full((4,), float(i)))
+    finally:
+        queue.put(None)
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def test_a_memory_promise_in_a_forked_child_raises_clearly():
+    promise = dtorch_ops.TensorPromise()
+    future = promise.get_future()
+    ctx = multiprocessing.get_context("fork")
+    parent, child_end = ctx.Pipe()
+
+    def child():
+        try:
+            promise.set_value(torch.ones(1))
+            child_end.send("set")
+        except Exception as e:  # noqa: BLE001
+            child_end.send(f"{type(e).__name__}: {e}")
+
+    process = ctx.Process(target=child)
+    process.start()
+    assert parent.poll(WAIT_MS / 1000)
+    message = parent.recv()
+    process.join(10)
+    assert "forked child" in message and "kind='file'" in message
+    assert not future.is_ready()
+    promise.set_value(torch.ones(1))  # the parent's own promise still works
+    assert future.wait(WAIT_MS).item() == 1
+
+
+# ---- graphs ----
+
+
+def test_a_torchscript_producer(producer):
+    promise, future = file_pair()
+    x = torch.arange(4.0)
+    out = producer.call(file_producers.script_produce, promise, x)
+    assert torch.equal(out, x * 2 + 1)
+    assert torch.equal(future.wait(WAIT_MS), x * 2)
+
+
+def test_a_compiled_producer(producer):
+    for i in range(2):  # the second call reuses the compiled graph
+        promise, future = file_pair()
+        x = torch.linspace(0, 1, 8) + i
+        out = producer.call(file_producers.compiled_produce, promise, x, timeout=240)
+        hidden = x.sin() * 2  # an intermediate of the graph, not its output
+        torch.testing.assert_close(future.wait(WAIT_MS), hidden)
+        torch.testing.assert_close(out, (hidden + 1).sum())
+
+
+class _HoldsAPromise(torch.nn.Module):
+    def __init__(self, promise):
+        super().__init__()
+        self.promise = promise
+
+    def forward(self, x):
+        torch.ops.dtorch.get_tensor(x + 1, self.promise)
+        return x
+
+
+def test_a_scripted_module_holding_a_file_promise_survives_save_and_load(producer, tmp_path):
+    promise, future = file_pair()
+    module = torch.jit.script(_HoldsAPromise(promise.raw))
+    path = str(tmp_path / "module.pt")
+    torch.jit.save(module, path)
+    del module
+    loaded = torch.jit.load(path)  # a copy here that never produces: it attaches nothing
+    assert not future.is_ready()
+    del loaded
+    producer.call(file_producers.run_saved_module, path, torch.arange(3.0))
+    assert torch.equal(future.wait(WAIT_MS), torch.arange(3.0) + 1)
+
+
+class _Exported(torch.nn.Module):
+    def forward(self, x, promise):
+        out = x * 3
+        torch.ops.dtorch.get_tensor(out, promise)
+        return out
+
+
+def test_an_exported_program_with_a_file_promise_input_saves_and_loads(producer, tmp_path):
+    example = dtorch_ops.TensorPromise("file")
+    ep = torch.export.export(_Exported(), (torch.ones(2), example.raw))
+    path = str(tmp_path / "program.pt2")
+    torch.export.save(ep, path)
+    del ep, example
+    promise, future = file_pair()
+    out = producer.call(file_producers.run_saved_export, path, torch.arange(2.0), promise)
+    assert torch.equal(out, torch.arange(2.0) * 3)
+    assert torch.equal(future.wait(WAIT_MS), torch.arange(2.0) * 3)
+
+
+# ---- waking ----
+
+
+def test_await_file_futures_with_one_doorbell_thread(producer):
+    async def main():
+        pairs = [file_pair() for _ in range(20)]
+        for i, (promise, _) in enumerate(pairs):
+            producer.requests.put((file_producers.set_value, (promise, torch.full((1,), i))))
+        values = await asyncio.wait_for(
+            asyncio.gather(*(future for _, future in pairs)), WAIT_MS / 1000)
+        for _ in pairs:
+            assert producer.results.get(timeout=30)[0] == "ok"
+        return values, dtorch_ops.library_threads()
+
+    values, threads = asyncio.run(main())
+    assert [v.item() for v in values] == list(range(20))
+    assert threads["doorbell"] == 1
+
+
+def test_a_void_file_promise_through_sync_into(producer):
+    promise, future = file_pair(dtorch_ops.VoidPromise)
+    producer.call(file_producers.sync_into, promise)
+    assert future.wait(WAIT_MS) is None
+
+
+def test_promise_kind_for_and_for_tensor():
+    meta = torch.empty(1, device="meta")  # stands in for a device tensor
+    assert dtorch_ops.promise_kind_for(meta, per_device_per_process=True) == "file"
+    promise = dtorch_ops.TensorPromise.for_tensor(meta, per_device_per_process=True)
+    assert promise.kind() == "file"
+    assert dtorch_ops.TensorPromise.for_tensor(torch.ones(1), True).kind() == "memory"
