@@ -1,32 +1,10 @@
-"""Producer-side functions for test_file_kind.py: run in another process, they fulfil the file
-promises the test (the consumer) sends them.
-
-A persistent producer runs serve(): it takes (function, args) from one queue and puts
-("ok", result) or ("error", "<type>: <message>") on another. Functions travel by reference, so
-they live here, where a spawned child can import them (pytest puts tests/ on sys.path, which
-spawn hands to the child).
+"""Producer-side functions for test_file_kind.py: run in the module's producer process
+(producer_process.ProducerProcess.call), they fulfil the file promises the test (the consumer)
+sends them.
 """
-import os
-
 import torch
 
 import dtorch_ops
-
-
-def serve(requests, results) -> None:
-    while True:
-        request = requests.get()
-        if request is None:
-            return
-        function, args = request
-        try:
-            results.put(("ok", function(*args)))
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            results.put(("error", f"{type(e).__name__}: {e}"))
-
-
-def pid() -> int:
-    return os.getpid()
 
 
 def make_tensor(dtype: torch.dtype, shape: tuple, layout: str) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_
 
 import dtorch_ops
 import file_producers
+from producer_process import ProducerProcess
 from conftest import WAIT_MS
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,36 +55,11 @@ def nothing_left_in_dev_shm(doorbell_made):
     assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
-class Producer:
-    """A producer process running file_producers.serve()."""
-
-    def __init__(self, method: str):
-        ctx = tmp.get_context(method)
-        self.requests, self.results = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=file_producers.serve,
-                                   args=(self.requests, self.results), daemon=True)
-        self.process.start()
-
-    def call(self, function, *args, timeout: float = 90):
-        self.requests.put((function, args))
-        status, value = self.results.get(timeout=timeout)
-        if status == "error":
-            raise RuntimeError(f"in the producer: {value}")
-        return value
-
-    def close(self):
-        self.requests.put(None)
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(10)
-
-
 @pytest.fixture(scope="module")
 def producer():
-    worker = Producer("spawn")
-    yield worker
-    worker.close()
+    process = ProducerProcess(tmp.get_context("spawn"))
+    yield process
+    process.close()
 
 
 def file_pair(cls=dtorch_ops.TensorPromise):
@@ -322,7 +298,7 @@ def test_a_compiled_producer(producer):
     for i in range(2):  # the second call reuses the compiled graph
         promise, future = file_pair()
         x = torch.linspace(0, 1, 8) + i
-        out = producer.call(file_producers.compiled_produce, promise, x, timeout=240)
+        out = producer.call(file_producers.compiled_produce, promise, x, timeout_s=240)
         hidden = x.sin() * 2  # an intermediate of the graph, not its output
         torch.testing.assert_close(future.wait(WAIT_MS), hidden)
         torch.testing.assert_close(out, (hidden + 1).sum())
@@ -376,12 +352,13 @@ def test_an_exported_program_with_a_file_promise_input_saves_and_loads(producer,
 def test_await_file_futures_with_one_doorbell_thread(producer):
     async def main():
         pairs = [file_pair() for _ in range(20)]
-        for i, (promise, _) in enumerate(pairs):
-            producer.requests.put((file_producers.set_value, (promise, torch.full((1,), i))))
+        # The producer sets them one by one meanwhile (its calls block: off the loop).
+        setting = asyncio.get_running_loop().run_in_executor(None, lambda: [
+            producer.call(file_producers.set_value, promise, torch.full((1,), i))
+            for i, (promise, _) in enumerate(pairs)])
         values = await asyncio.wait_for(
             asyncio.gather(*(future for _, future in pairs)), WAIT_MS / 1000)
-        for _ in pairs:
-            assert producer.results.get(timeout=30)[0] == "ok"
+        await setting
         return values, dtorch_ops.library_threads()
 
     values, threads = asyncio.run(main())
@@ -401,3 +378,16 @@ def test_promise_kind_for_and_for_tensor():
     promise = dtorch_ops.TensorPromise.for_tensor(meta, per_device_per_process=True)
     assert promise.kind() == "file"
     assert dtorch_ops.TensorPromise.for_tensor(torch.ones(1), True).kind() == "memory"
+
+
+def test_a_value_larger_than_dev_shm_is_a_clear_error_not_sigbus():
+    info = os.statvfs("/dev/shm")
+    capacity = info.f_blocks * info.f_frsize
+    # An expanded view: no memory here, but its copy needs more than /dev/shm holds. tmpfs
+    # refuses such a reservation at once (ENOSPC), before touching a page.
+    value = torch.zeros(1, dtype=torch.uint8).expand(capacity + 2**20)
+    promise, future = file_pair()
+    with pytest.raises(dtorch_ops.errors.SharedMemoryError, match="/dev/shm has no room"):
+        promise.set_value(value)
+    with pytest.raises(dtorch_ops.errors.SharedMemoryError, match="/dev/shm has no room"):
+        future.wait(WAIT_MS)

@@ -1,0 +1,232 @@
+"""Worker-process functions for test_file_failures.py ("file" promises across processes).
+
+Importable by spawned children: multiprocessing's spawn start method hands the parent's sys.path
+to the child, and pytest puts tests/ on it. Fork-context children run these functions directly.
+
+Every child that waits for the test to kill it sleeps for a bounded time only, and asks the kernel
+to kill it when its parent dies, so that a crashed test run leaves no orphans behind.
+"""
+import gc
+import json
+import os
+import sys
+import time
+
+from producer_process import describe, die_with_parent
+
+# How long a child that expects to be killed lives at most (s).
+CHILD_LIFETIME_S = 120
+# Promises a child keeps until interpreter exit (so that they are still held when atexit runs).
+_KEPT = []
+
+
+def linger() -> None:
+    """Waits (bounded) for the test to kill this process."""
+    time.sleep(CHILD_LIFETIME_S)
+    os._exit(3)
+
+
+def _refused_set(promise) -> tuple:
+    """Uses `promise` with a value the file kind refuses (a meta tensor): the process attaches as
+    a producer without setting anything. Returns describe() of the refusal."""
+    import torch
+
+    try:
+        promise.set_value(torch.empty(3, device="meta"))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return describe(e)
+    return ("", "", "not refused")
+
+
+# ---- what the module's producer process runs (producer_process.ProducerProcess.call) ----------
+
+
+def produce(handle: str, fill: float, numel: int = 16, via: str = "get_tensor") -> None:
+    import torch
+
+    import dtorch_ops
+
+    promise = dtorch_ops.TensorPromise.from_serialized(handle)
+    value = torch.full((numel,), float(fill))
+    if via == "get_tensor":
+        dtorch_ops.get_tensor(value, promise)
+    else:
+        promise.set_value(value)
+
+
+def produce_void(handle: str) -> None:
+    import dtorch_ops
+
+    dtorch_ops.VoidPromise.from_serialized(handle).set_value()
+
+
+def fail(handle: str, message: str) -> None:
+    import dtorch_ops
+
+    dtorch_ops.TensorPromise.from_serialized(handle).set_exception(message)
+
+
+# ---- producers the test kills or lets exit (fork context unless noted) --------------------------
+
+
+def attach_refused_then_linger(handle: str, conn) -> None:
+    """Attaches as a producer through a refused set_value, reports the refusal, waits to die."""
+    die_with_parent()
+    import dtorch_ops
+
+    promise = dtorch_ops.TensorPromise.from_serialized(handle)
+    conn.send(_refused_set(promise))
+    linger()
+
+
+def get_tensor_sparse_then_linger(handle: str, conn) -> None:
+    """Calls get_tensor with a sparse tensor (its kernel runs; the file kind refuses the layout),
+    reports the refusal, waits to die. (A meta tensor would not do: the Meta kernel refuses it
+    before the promise is touched.)"""
+    die_with_parent()
+    import torch
+
+    import dtorch_ops
+
+    promise = dtorch_ops.TensorPromise.from_serialized(handle)
+    try:
+        dtorch_ops.get_tensor(torch.eye(3).to_sparse(), promise)
+        conn.send(("", "", "not refused"))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        conn.send(describe(e))
+    linger()
+
+
+def hold_lock_forever(handle: str, conn) -> None:
+    """Attaches, takes the promise's interprocess lock and never returns."""
+    die_with_parent()
+    import dtorch_ops
+
+    conn.send(os.getpid())
+    dtorch_ops._C.hold_file_promise_lock_for_testing(handle)
+    conn.send("returned")  # never reached
+
+
+def attach_refused_then_os_exit(handle: str, conn) -> None:
+    """Attaches through a refused set_value, then leaves with os._exit (no atexit, no
+    destructors): to the library this producer died."""
+    die_with_parent()
+    import dtorch_ops
+
+    promise = dtorch_ops.TensorPromise.from_serialized(handle)
+    conn.send(_refused_set(promise))
+    conn.close()
+    os._exit(0)
+
+
+def attach_refused_then_drop_and_linger(handle: str, conn) -> None:
+    """Attaches through a refused set_value, drops its only handle, stays alive."""
+    die_with_parent()
+    import dtorch_ops
+
+    promise = dtorch_ops.TensorPromise.from_serialized(handle)
+    refusal = _refused_set(promise)
+    del promise
+    gc.collect()
+    conn.send(refusal)
+    linger()
+
+
+def attach_refused_then_exit_normally(handle: str, conn) -> None:
+    """(spawn context) Attaches through a refused set_value and returns: the spawned interpreter
+    then exits normally, with the promise still held (kept in a module global) when the
+    library's atexit handler runs."""
+    die_with_parent()
+    import dtorch_ops
+
+    promise = dtorch_ops.TensorPromise.from_serialized(handle)
+    _KEPT.append(promise)
+    conn.send(_refused_set(promise))
+
+
+def produce_large_in_sequence(handles: list, numel: int, conn) -> None:
+    """For each handle i: makes the value full(numel, i + 1), reports ("start", i), sets it with
+    get_tensor and reports ("set", i, seconds get_tensor took); then waits to be killed (the test
+    kills it at a moment of its choosing, mostly while it copies a value)."""
+    die_with_parent()
+    import torch
+
+    import dtorch_ops
+
+    # One thread: the parent may have used OpenMP's pool, which a forked child cannot (it hangs).
+    torch.set_num_threads(1)
+    for i, handle in enumerate(handles):
+        value = torch.full((numel,), float(i + 1))
+        promise = dtorch_ops.TensorPromise.from_serialized(handle)
+        conn.send(("start", i))
+        started = time.monotonic()
+        dtorch_ops.get_tensor(value, promise)
+        conn.send(("set", i, time.monotonic() - started))
+        del promise, value
+    linger()
+
+
+def consumer_with_pairs(tensor_pairs: int, conn) -> None:
+    """A consumer: creates `tensor_pairs` tensor file pairs and one void pair, keeps promises and
+    futures, sends their serialized promises to the test, and waits to be killed."""
+    die_with_parent()
+    import dtorch_ops
+
+    kept = []
+    handles = []
+    for _ in range(tensor_pairs):
+        promise = dtorch_ops.TensorPromise(kind="file")
+        kept.append((promise, promise.get_future()))
+        handles.append(("tensor", promise.serialize()))
+    void = dtorch_ops.VoidPromise(kind="file")
+    kept.append((void, void.get_future()))
+    handles.append(("void", void.serialize()))
+    conn.send(handles)
+    linger()
+
+
+# ---- from_serialized fuzzing (run as `python -c`, reads JSON variants on stdin) ------------------
+
+
+def fuzz_from_serialized_main() -> None:
+    """Reads [[class name, string], ...] as JSON from stdin; for each, calls
+    <class>.from_serialized(string) and, if that returns, set_value once (torch.ones(1) for a
+    TensorPromise). Prints one JSON line per variant, flushed, so that a crash names the variant
+    after the last line printed."""
+    import torch
+
+    import dtorch_ops
+
+    classes = {"TensorPromise": dtorch_ops.TensorPromise, "VoidPromise": dtorch_ops.VoidPromise}
+    variants = json.load(sys.stdin)
+
+    def report(index, stage, error=None):
+        line = {"i": index, "stage": stage}
+        if error is not None:
+            line.update(module=type(error).__module__, cls=type(error).__qualname__,
+                        message=str(error)[:400],
+                        runtime=isinstance(error, RuntimeError),
+                        value=isinstance(error, ValueError),
+                        type=isinstance(error, TypeError),
+                        invalid_handle=isinstance(error, dtorch_ops.errors.InvalidHandleError))
+        print(json.dumps(line), flush=True)
+
+    for index, (class_name, text) in enumerate(variants):
+        cls = classes[class_name]
+        try:
+            promise = cls.from_serialized(text)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            report(index, "parse", e)
+            continue
+        try:
+            if cls is dtorch_ops.TensorPromise:
+                promise.set_value(torch.ones(1))
+            else:
+                promise.set_value()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            report(index, "use", e)
+            continue
+        finally:
+            del promise
+        report(index, "noop")
+    sys.stdout.flush()
