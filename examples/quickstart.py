@@ -1,4 +1,5 @@
-"""Quick tour of dtorch_ops: futures for tensor values, in eager Python and TorchScript.
+"""Quick tour of dtorch_ops: futures for tensor values, in eager Python, TorchScript and across
+processes.
 
 Runs on CPU; on a machine with a GPU the same calls return before the device work finishes.
 """
@@ -8,6 +9,12 @@ import time
 import torch
 
 import dtorch_ops
+
+
+def produce(promise, x: torch.Tensor) -> None:
+    """Runs in a worker process: fulfils the consumer's promise (the value is copied into shared
+    memory now; the consumer gets a view of that copy)."""
+    dtorch_ops.get_tensor(x.sum(0), promise)
 
 
 def main() -> None:
@@ -45,6 +52,16 @@ def main() -> None:
         return f.wait(10000)
 
     print("scripted:", scripted(torch.arange(3.0)).tolist())
+
+    # Across processes: a file promise travels to a worker (pickled with the Process's arguments,
+    # or through a torch.multiprocessing queue); the future stays here.
+    promise = dtorch_ops.TensorPromise(kind="file")
+    future = promise.get_future()
+    worker = torch.multiprocessing.get_context("spawn").Process(
+        target=produce, args=(promise, torch.ones(4, 4)))
+    worker.start()
+    print("value from another process:", future.wait(60_000).tolist())
+    worker.join()
 
 
 if __name__ == "__main__":
