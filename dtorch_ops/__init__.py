@@ -47,6 +47,27 @@ _atexit.register(_at_exit)
 # A fork child's main thread is the thread that forked; no thread of the parent survives there.
 _os.register_at_fork(after_in_child=_C.after_fork_in_child)
 
+
+class _MultiprocessingChildExit:
+    """A multiprocessing child started with fork ends in os._exit, past the library's exit
+    handler; its finalizers still run: one says to the consumers of the file promises it used
+    that it exited (rather than died). Registered after multiprocessing's own after-fork reset,
+    which clears the finalizers a child inherits."""
+
+    def __init__(self):
+        from multiprocessing import util
+
+        util.register_after_fork(self, _MultiprocessingChildExit._in_child)
+
+    @staticmethod
+    def _in_child(_self):
+        from multiprocessing import util
+
+        util.Finalize(None, _C.mark_file_producers_exited, exitpriority=-100)
+
+
+_multiprocessing_child_exit = _MultiprocessingChildExit()
+
 from .config import config  # noqa: E402
 from . import errors  # noqa: E402
 from .errors import (  # noqa: E402

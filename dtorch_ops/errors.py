@@ -71,8 +71,9 @@ class DroppedAtForkError(FutureError):
     code = "dropped_at_fork"
 
 
-class NotSerializableError(FutureError, TypeError):
-    """A promise of a kind that stays in one process was pickled or serialized."""
+class CannotLeaveProcessError(FutureError, TypeError):
+    """A handle was used outside the process it belongs to: a memory promise pickled or
+    serialized, or fulfilled in a forked child; a file future used in a forked child."""
 
     code = "cannot_leave_process"
 
@@ -90,7 +91,7 @@ class SharedMemoryError(FutureError):
 
 
 _BY_CODE = {cls.code: cls for cls in FutureError.__subclasses__()}
-_BY_CODE.update({cls.code: cls for cls in (FutureTimeoutError, NotSerializableError,
+_BY_CODE.update({cls.code: cls for cls in (FutureTimeoutError, CannotLeaveProcessError,
                                            InvalidHandleError)})
 _BY_CODE["unknown"] = FutureError
 

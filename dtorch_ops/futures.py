@@ -426,7 +426,7 @@ class _PromiseBase:
 
     def serialize(self) -> str:
         """A string another process can pass to from_serialized (file promises); memory
-        promises raise NotSerializableError (a TypeError)."""
+        promises raise CannotLeaveProcessError (a TypeError)."""
         return self._h.serialize()
 
     def __reduce__(self):

@@ -39,8 +39,9 @@ from dtorch_ops import errors
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 SHM = "/dev/shm"
-# The form of every dtorch segment name: dtorch_<owner pid>-<owner start time>_<128 random bits>.
-SEGMENT_NAME = re.compile(r"^dtorch_(\d+)-(\d+)_[0-9a-f]{32}$")
+# The form of every dtorch segment name:
+# dtorch_<owner pid>-<owner start time>-<owner pid namespace>_<128 random bits>.
+SEGMENT_NAME = re.compile(r"^dtorch_(\d+)-(\d+)-(\d+)_[0-9a-f]{32}$")
 # The contract: a dead producer is noticed "within about a second" (liveness every 250 ms plus a
 # 500 ms grace); this is the generous bound the tests hold it to.
 DEATH_NOTICED_S = 5.0
@@ -73,10 +74,11 @@ def names_owned_by(pids, names=None) -> set:
 
 
 def own_name_prefix() -> str:
-    """dtorch_<pid>-<start time>_ of this process (start time: /proc/self/stat field 22)."""
+    """dtorch_<pid>-<start time>-<pid namespace>_ of this process (start time: /proc/self/stat
+    field 22; pid namespace: the inode of /proc/self/ns/pid)."""
     with open("/proc/self/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return f"dtorch_{os.getpid()}-{fields[19]}_"
+    return f"dtorch_{os.getpid()}-{fields[19]}-{os.stat('/proc/self/ns/pid').st_ino}_"
 
 
 def segment_of(serialized: str) -> str:
@@ -228,18 +230,8 @@ def producer():
     process.close()
 
 
-@pytest.fixture(scope="module")
-def own_doorbell_made():
-    """This process's doorbell segment exists (its first file pair makes it; it lives as long as
-    the process), so that the leak check counts it among the names present before each test."""
-    promise = dtorch_ops.TensorPromise(kind="file")
-    future = promise.get_future()
-    promise.set_value(torch.ones(1))
-    assert future.wait(WAIT_MS).tolist() == [1.0]
-
-
 @pytest.fixture(autouse=True)
-def nothing_left_in_shm(request, own_doorbell_made):
+def nothing_left_in_shm(request):
     """After the test, no dtorch segment of this process or of a child it started remains in
     /dev/shm beyond those present before (the library gets CLEANUP_S to unlink what the test
     dropped). Leaked segments are removed after being reported. Not checked after a failed test:
@@ -252,7 +244,9 @@ def nothing_left_in_shm(request, own_doorbell_made):
     gc.collect()
 
     def leaked():
-        return names_owned_by(_child_pids | {os.getpid()}, shm_names() - before)
+        # (This process's doorbell lives while it has pairs pending, and a while after.)
+        doorbell = {dtorch_ops._C.file_doorbell_segment()}
+        return names_owned_by(_child_pids | {os.getpid()}, shm_names() - before - doorbell)
 
     if not wait_until(lambda: not leaked(), CLEANUP_S):
         gc.collect()
@@ -711,7 +705,7 @@ def test_from_serialized_refuses_untrusted_handles(producer):
             with_segment(f"dtorch_1-{'9' * 21}_" + "0" * 32),
             with_segment(segment + "0"), with_segment(segment[:-1]),
             with_segment(segment.upper()), with_segment(segment + "\x00"),
-            with_segment("dtorch_1-1_" + "0" * 32),  # well formed, names nothing: a no-op
+            with_segment("dtorch_1-1-1_" + "0" * 32),  # well formed, names nothing: a no-op
             handle + "\x00", handle.replace(":", "\x00", 1), handle + "\ud800",
             handle + "é", "x" * 513, "dtorch-promise:1:file:" + "a" * 1_000_000,
             "dtorch-promise:1:file:tensor:" + ":".join(["x"] * 100),
@@ -755,7 +749,7 @@ def test_from_serialized_refuses_untrusted_handles(producer):
         assert result["stage"] == "parse" and result["invalid_handle"], result
         assert "TensorPromise and VoidPromise are not interchangeable" in result["message"]
         assert by_variant[("TensorPromise", "x" * 513)]["invalid_handle"]
-        noop = by_variant[("TensorPromise", with_segment("dtorch_1-1_" + "0" * 32))]
+        noop = by_variant[("TensorPromise", with_segment("dtorch_1-1-1_" + "0" * 32))]
         assert noop["stage"] == "noop", noop
 
         # Non-str handles are refused before the library sees them.

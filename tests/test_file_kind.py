@@ -28,21 +28,14 @@ pytestmark = pytest.mark.timeout(120)
 
 def consumer_segments() -> set:
     """This process's segments: the pairs it created and the payloads sent to it (named for their
-    consumer), and its doorbell."""
+    consumer); not its doorbell, which lives while pairs are pending, and a while after."""
     mine = f"dtorch_{os.getpid()}-"
-    return {name for name in os.listdir("/dev/shm") if name.startswith(mine)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def doorbell_made():
-    """This process's doorbell lives as long as the process: made before the first leak check."""
-    promise, future = file_pair()
-    promise.set_value(torch.ones(1))
-    future.get()
+    doorbell = dtorch_ops._C.file_doorbell_segment()
+    return {name for name in os.listdir("/dev/shm") if name.startswith(mine) and name != doorbell}
 
 
 @pytest.fixture(autouse=True)
-def nothing_left_in_dev_shm(doorbell_made):
+def nothing_left_in_dev_shm():
     before = consumer_segments()
     yield
     deadline = time.monotonic() + 5
@@ -391,3 +384,33 @@ def test_a_value_larger_than_dev_shm_is_a_clear_error_not_sigbus():
         promise.set_value(value)
     with pytest.raises(dtorch_ops.errors.SharedMemoryError, match="/dev/shm has no room"):
         future.wait(WAIT_MS)
+
+
+def test_a_fork_does_not_complete_what_the_parent_claimed():
+    """A worker forks while its sync_into(file promise) waits for a device: the child's fork
+    handler drops the parent's pending device work there, but the pair is the parent's to
+    complete; its consumer sees the device finish, not "dropped at fork"."""
+    import devices
+
+    device = devices.SimDev()
+    release = device.hold()
+    promise, future = file_pair(dtorch_ops.VoidPromise)
+    dtorch_ops.sync_into([torch.device("simdev", 0)], promise)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    time.sleep(0.3)  # the child's handler has run
+    assert not future.is_ready()
+    release()
+    assert future.wait(WAIT_MS) is None
+
+
+def test_a_long_message_in_any_script_arrives_whole_or_cut_cleanly(producer):
+    promise, future = file_pair()
+    message = "é" * 2000  # 4000 bytes of UTF-8: cut at a character boundary
+    producer.call(file_producers.set_exception, promise, message)
+    with pytest.raises(dtorch_ops.errors.ProducerError) as failed:
+        future.wait(WAIT_MS)
+    detail = str(failed.value).split("producer error: ", 1)[1]
+    assert detail == "é" * len(detail) and 400 < len(detail) < 2000

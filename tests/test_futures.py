@@ -310,7 +310,7 @@ def test_memory_promises_cannot_leave_the_process():
         pickle.dumps(promise.get_future())
     with pytest.raises(dtorch_ops.InvalidHandleError, match="not a serialized TensorPromise"):
         dtorch_ops.TensorPromise.from_serialized("file:/dtorch_x")
-    with pytest.raises(dtorch_ops.errors.NotSerializableError):
+    with pytest.raises(dtorch_ops.errors.CannotLeaveProcessError):
         promise.serialize()
 
 

@@ -45,6 +45,7 @@ constexpr size_t kNameField = shm::kMaxSegmentNameBytes + 1;  // NUL-terminated
 constexpr uint32_t kPending = 0, kClaimed = 1, kValue = 2, kError = 3;
 constexpr uint32_t kCreatorClaimant = 0xfe;   // the creator's own promise handle
 constexpr uint32_t kConsumerClaimant = 0xfd;  // the consumer, breaking the pair
+constexpr uint32_t kLockBreakerClaimant = 0xfc;  // a producer that found the lock's owner dead
 uint32_t Phase(uint32_t state) { return state & 0xff; }
 uint32_t Claimant(uint32_t state) { return state >> 8; }
 uint32_t State(uint32_t phase, uint32_t claimant) { return phase | (claimant << 8); }
@@ -166,49 +167,56 @@ class ChannelBase : public FileChannel {
               std::shared_ptr<shm::Segment> doorbell)
       : control_(std::move(control)), claimant_(claimant), doorbell_(std::move(doorbell)) {}
 
-  bool TryClaim() override {
-    uint32_t expected = State(kPending, 0);
-    return block()->state.compare_exchange_strong(expected, State(kClaimed, claimant_));
+  ClaimOutcome TryClaim() override {
+    uint32_t state = State(kPending, 0);
+    if (block()->state.compare_exchange_strong(state, State(kClaimed, claimant_))) {
+      return ClaimOutcome::kClaimed;
+    }
+    return Claimant(state) == kConsumerClaimant ? ClaimOutcome::kFailedByConsumer
+                                                : ClaimOutcome::kClaimedByAnother;
   }
 
   void PublishValue(const std::string& header, size_t payload_bytes,
                     const std::function<void(void*)>& write) override {
     auto* b = block();
-    if (header.size() > kMaxValueHeaderBytes) {
-      FutureError error(FutureErrc::kInvalidHandle, "the value's header does not fit");
+    const auto fail = [&](const FutureError& error) {
       PublishError({error.code(), error.detail()});
-      throw error;
+      return error;
+    };
+    if (header.size() > kMaxValueHeaderBytes) {
+      throw fail(FutureError(FutureErrc::kInvalidHandle, "the value's header does not fit"));
     }
     std::string name;
     if (payload_bytes > 0) {
-      // Named for the consumer (its death reaps it), recorded before it exists (the consumer
-      // unlinks it if this process dies while writing it).
-      name = shm::NewSegmentName({b->creator_pid, b->creator_start});
-      WriteName(b->payload, name);
+      // The name the consumer chose (named for it: its death reaps it); checked, since another
+      // process wrote it.
+      name = ReadName(b->payload);
+      shm::ProcessId owner;
+      if (!shm::ParseSegmentName(name, &owner) || owner.pid != b->creator_pid ||
+          owner.start_time != b->creator_start) {
+        throw fail(FutureError(FutureErrc::kInvalidHandle, "the promise's payload name is corrupt"));
+      }
       try {
         auto payload = shm::Segment::Create(name, payload_bytes);
         write(payload->data());
       } catch (const FutureError& e) {
         shm::Unlink(name);
-        PublishError({e.code(), e.detail()});
-        throw;
+        throw fail(e);
       } catch (const std::exception& e) {
         shm::Unlink(name);
-        PublishError({FutureErrc::kProducerError, std::string("writing the value failed: ") +
-                                                      e.what()});
+        fail(FutureError(FutureErrc::kProducerError,
+                         std::string("writing the value failed: ") + e.what()));
         throw;
       }
-    } else {
-      WriteName(b->payload, "");
     }
     b->payload_bytes = payload_bytes;
     b->header_bytes = static_cast<uint32_t>(header.size());
     std::memcpy(b->header, header.data(), header.size());
-    Finish(kValue);
-    // The pair went away meanwhile, or its consumer died: nobody will map the payload (Dekker
-    // with the consumer's destructor, which sets kConsumerGone and then reads the state; a dead
-    // consumer's is otherwise reaped later, by name).
-    if (!name.empty() && ((b->flags.load() & kConsumerGone) ||
+    // Not published (the consumer broke the pair meanwhile), the pair went away, or its consumer
+    // died: nobody will map the payload. (Dekker with the consumer's destructor, which sets
+    // kConsumerGone and then unlinks; a dead consumer's payload is otherwise reaped by name.)
+    const bool published = Finish(kValue);
+    if (!name.empty() && (!published || (b->flags.load() & kConsumerGone) ||
                           (kill(b->creator_pid, 0) != 0 && errno == ESRCH))) {
       shm::Unlink(name);
     }
@@ -217,7 +225,13 @@ class ChannelBase : public FileChannel {
   void PublishError(const ErrorInfo& error) noexcept override {
     auto* b = block();
     b->error_code = static_cast<uint32_t>(error.code);
-    const size_t bytes = std::min(error.detail.size(), kMaxDetailBytes);
+    // At most kMaxDetailBytes, cut at a UTF-8 character boundary.
+    size_t bytes = std::min(error.detail.size(), kMaxDetailBytes);
+    if (bytes < error.detail.size()) {
+      while (bytes > 0 && (static_cast<unsigned char>(error.detail[bytes]) & 0xc0) == 0x80) {
+        --bytes;
+      }
+    }
     std::memcpy(b->detail, error.detail.data(), bytes);
     b->detail_bytes = static_cast<uint32_t>(bytes);
     Finish(kError);
@@ -230,11 +244,16 @@ class ChannelBase : public FileChannel {
   }
 
  private:
-  void Finish(uint32_t phase) noexcept {
+  // Publishes the completion this channel claimed; false (nothing changes) if the pair is no
+  // longer claimed by it: the consumer broke it meanwhile.
+  bool Finish(uint32_t phase) noexcept {
     auto* b = block();
-    b->state.store(State(phase, claimant_));  // seq_cst: pairs with the waiters' count
+    uint32_t claimed = State(kClaimed, claimant_);
+    // seq_cst: pairs with the waiters' count.
+    if (!b->state.compare_exchange_strong(claimed, State(phase, claimant_))) return false;
     if (b->waiters.load() != 0) shm::FutexWakeAll(&b->state);
     Ring(doorbell());
+    return true;
   }
 
   const std::shared_ptr<shm::Segment> control_;
@@ -247,15 +266,13 @@ class ProducerAttachment final : public ChannelBase {
  public:
   ProducerAttachment(std::shared_ptr<shm::Segment> control, uint32_t slot,
                      std::shared_ptr<shm::Segment> doorbell)
-      : ChannelBase(std::move(control), slot, std::move(doorbell)),
-        slot_(slot),
-        pid_(shm::Self().pid) {}
+      : ChannelBase(std::move(control), slot, std::move(doorbell)), slot_(slot), pid_(getpid()) {}
 
   ~ProducerAttachment() override { Leave(kDropped); }
 
   // This process no longer produces: its handles are gone (kDropped) or it exits (kExited).
   void Leave(uint32_t why) noexcept {
-    if (shm::Self().pid != pid_) return;  // a forked child's copy: the entry is the parent's
+    if (getpid() != pid_) return;  // a forked child's copy: the entry is the parent's
     uint32_t attached = kAttached;
     if (block()->producers[slot_].state.compare_exchange_strong(attached, why)) Ring(doorbell());
   }
@@ -285,6 +302,7 @@ struct ProcessState {
   bool stopping = false;
   // This process's producer attachments, by control segment.
   std::map<std::string, std::weak_ptr<ProducerAttachment>> attachments;
+  size_t attachments_after_sweep = 0;
   // Consumers' doorbells mapped here as a producer, by name.
   std::map<std::string, std::weak_ptr<shm::Segment>> doorbells;
 };
@@ -315,26 +333,24 @@ std::shared_ptr<shm::Segment> OwnDoorbellLocked(ProcessState& state) {
 // ---------------------------------------------------------------------------------------------
 // The consumer.
 
-class ConsumerImpl final : public FileConsumer,
-                           public std::enable_shared_from_this<ConsumerImpl> {
+class ConsumerImpl final : public FileConsumer {
  public:
-  ConsumerImpl(std::shared_ptr<shm::Segment> control, FileHandle handle,
+  ConsumerImpl(std::shared_ptr<shm::Segment> control, FileHandle handle, std::string payload,
                std::shared_ptr<shm::Segment> doorbell)
       : control_(std::move(control)),
         handle_(std::move(handle)),
+        payload_(std::move(payload)),
         doorbell_(std::move(doorbell)),
-        creator_(shm::Self()),
+        creator_pid_(getpid()),
         forks_at_creation_(forks_in_parent.load()) {}
 
   ~ConsumerImpl() override {
     if (!InCreatorProcess()) return;  // a forked child's copy: the pair is the parent's
-    block()->flags.fetch_or(kConsumerGone);
-    if (Phase(block()->state.load()) == kValue) UnlinkPayload();  // published, never taken
-    UnlinkControl();
+    UnlinkAll();
   }
 
   const FileHandle& handle() const override { return handle_; }
-  bool InCreatorProcess() const override { return shm::Self() == creator_; }
+  bool InCreatorProcess() const override { return getpid() == creator_pid_; }
 
   std::shared_ptr<FileChannel> CreatorChannel() override {
     return std::make_shared<ChannelBase>(control_, kCreatorClaimant, doorbell_);
@@ -380,6 +396,7 @@ class ConsumerImpl final : public FileConsumer,
   }
 
   bool IsReady() const override {
+    if (!InCreatorProcess()) return true;  // get() raises at once there
     std::lock_guard<std::mutex> lock(mu_);
     return !retrieved_ && IsDone(block()->state.load());
   }
@@ -390,6 +407,10 @@ class ConsumerImpl final : public FileConsumer,
   }
 
   void OnReady(std::function<void()> callback) override {
+    if (!InCreatorProcess()) {  // no watcher here serves the pair: get() raises at once
+      callback();
+      return;
+    }
     has_callbacks_ = true;
     ready_->OnReady(std::move(callback));
     if (IsDone(block()->state.load())) NotifyReady();
@@ -405,42 +426,36 @@ class ConsumerImpl final : public FileConsumer,
     auto* b = block();
     const uint32_t state = b->state.load();
     if (Phase(state) == kError) {
-      UnlinkControl();
-      throw ReadError().ToException();
+      const ErrorInfo error = ReadError();
+      UnlinkAll();
+      throw error.ToException();
     }
     PublishedValue value;
     const size_t header_bytes = b->header_bytes;
     const size_t payload_bytes = b->payload_bytes;
-    const std::string payload = ReadName(b->payload);
     if (header_bytes > kMaxValueHeaderBytes) {
-      UnlinkPayload();
-      UnlinkControl();
+      UnlinkAll();
       throw FutureError(FutureErrc::kInvalidHandle, "the published value's header is corrupt");
     }
     value.header.assign(b->header, header_bytes);
     if (payload_bytes > 0) {
       std::unique_ptr<shm::Segment> segment;
       try {
-        if (!ValidPayloadName(payload)) {
-          throw FutureError(FutureErrc::kInvalidHandle, "the published payload's name is corrupt");
-        }
-        segment = shm::Segment::Open(payload, payload_bytes);
+        segment = shm::Segment::Open(payload_, payload_bytes);
       } catch (...) {
-        UnlinkPayload();
-        UnlinkControl();
+        UnlinkAll();
         throw;
       }
-      shm::Unlink(payload);  // mapped: the name is no longer needed
-      UnlinkControl();
+      UnlinkAll();  // mapped: the names are no longer needed
       if (!segment) {
         throw FutureError(FutureErrc::kSharedMemory,
-                          "the value's payload segment /dev/shm/" + payload + " is gone");
+                          "the value's payload segment /dev/shm/" + payload_ + " is gone");
       }
       value.payload = segment->data();
       value.payload_bytes = payload_bytes;
       value.keep_alive = std::shared_ptr<shm::Segment>(std::move(segment));
     } else {
-      UnlinkControl();
+      UnlinkAll();
     }
     return value;
   }
@@ -462,7 +477,7 @@ class ConsumerImpl final : public FileConsumer,
     if (!liveness) return false;
     if (Phase(state) == kClaimed && Claimant(state) < kMaxProducers) {
       auto& entry = b->producers[Claimant(state)];
-      const shm::ProcessId producer{entry.pid.load(), entry.start_time.load()};
+      const auto producer = shm::InThisNamespace(entry.pid.load(), entry.start_time.load());
       if (!alive(producer)) {
         Break(state, FutureErrc::kBrokenPromise,
               "producer died (pid " + std::to_string(producer.pid) + ") while setting the value");
@@ -477,7 +492,7 @@ class ConsumerImpl final : public FileConsumer,
       for (uint32_t i = 0; i < count; ++i) {
         auto& entry = b->producers[i];
         const uint32_t entry_state = entry.state.load();
-        const shm::ProcessId producer{entry.pid.load(), entry.start_time.load()};
+        const auto producer = shm::InThisNamespace(entry.pid.load(), entry.start_time.load());
         if (entry_state == kAttached) {
           if (alive(producer)) {
             no_producer_since_.reset();
@@ -498,8 +513,10 @@ class ConsumerImpl final : public FileConsumer,
       Break(state, FutureErrc::kBrokenPromise, why);
       return false;
     }
-    if ((b->flags.load() & kCreatorDropped) &&
-        NowMs() - b->creator_dropped_ms.load() >= attach_timeout_ms.load()) {
+    const int64_t dropped_ms = b->creator_dropped_ms.load();  // written here only; checked anyway
+    const int64_t now_ms = NowMs();
+    if ((b->flags.load() & kCreatorDropped) && dropped_ms <= now_ms &&
+        now_ms - dropped_ms >= attach_timeout_ms.load()) {
       Break(state, FutureErrc::kBrokenPromise,
             "no producer attached within " + std::to_string(attach_timeout_ms.load()) +
                 " ms after the creator dropped its promise (config.attach_timeout_s)");
@@ -509,10 +526,7 @@ class ConsumerImpl final : public FileConsumer,
 
   // At exit: this process will not take its value; leave nothing behind.
   void UnlinkAtExit() {
-    if (!InCreatorProcess()) return;
-    block()->flags.fetch_or(kConsumerGone);
-    if (Phase(block()->state.load()) == kValue) UnlinkPayload();
-    UnlinkControl();
+    if (InCreatorProcess()) UnlinkAll();
   }
 
  private:
@@ -542,7 +556,7 @@ class ConsumerImpl final : public FileConsumer,
     const uint32_t code = b->error_code;
     const size_t bytes = std::min<size_t>(b->detail_bytes, kMaxDetailBytes);
     std::string detail(b->detail, bytes);
-    if (code > static_cast<uint32_t>(FutureErrc::kSharedMemory)) {
+    if (code > static_cast<uint32_t>(kLastFutureErrc)) {
       return {FutureErrc::kInvalidHandle, "the published error is corrupt"};
     }
     return {static_cast<FutureErrc>(code), std::move(detail)};
@@ -552,33 +566,29 @@ class ConsumerImpl final : public FileConsumer,
   void Break(uint32_t expected, FutureErrc code, const std::string& detail) {
     auto* b = block();
     if (!b->state.compare_exchange_strong(expected, State(kClaimed, kConsumerClaimant))) return;
-    if (Phase(expected) == kClaimed) UnlinkPayload();  // its producer died writing it
+    if (Phase(expected) == kClaimed) shm::Unlink(payload_);  // its producer died writing it
     ChannelBase(control_, kConsumerClaimant, doorbell_).PublishError({code, detail});
     NotifyReady();
   }
 
-  bool ValidPayloadName(const std::string& name) const {
-    shm::ProcessId owner;
-    return shm::ParseSegmentName(name, &owner) && owner == creator_;
-  }
-
-  void UnlinkPayload() {
-    const std::string name = ReadName(block()->payload);
-    if (ValidPayloadName(name)) shm::Unlink(name);
-  }
-
-  void UnlinkControl() {
-    if (!control_unlinked_.exchange(true)) shm::Unlink(handle_.segment);
+  // Once the value is taken (or can no longer be): the control segment and the payload go. A
+  // producer still publishing sees kConsumerGone afterwards and unlinks its payload itself.
+  void UnlinkAll() {
+    if (unlinked_.exchange(true)) return;
+    block()->flags.fetch_or(kConsumerGone);
+    shm::Unlink(payload_);
+    shm::Unlink(handle_.segment);
   }
 
   const std::shared_ptr<shm::Segment> control_;
   const FileHandle handle_;
+  const std::string payload_;  // the payload's name: chosen here, never read back from the block
   const std::shared_ptr<shm::Segment> doorbell_;
-  const shm::ProcessId creator_;
+  const int32_t creator_pid_;
   const uint64_t forks_at_creation_;
   const std::shared_ptr<SharedState<Unit>> ready_ = std::make_shared<SharedState<Unit>>();
   std::atomic<bool> future_retrieved_{false};
-  std::atomic<bool> control_unlinked_{false};
+  std::atomic<bool> unlinked_{false};
   std::atomic<bool> has_callbacks_{false};
   mutable std::mutex mu_;
   bool retrieved_ = false;  // guarded by mu_
@@ -589,10 +599,11 @@ class ConsumerImpl final : public FileConsumer,
 // The doorbell watcher: one thread per consumer process while it has pending pairs.
 
 void RunWatcher(ProcessState* state) {
-  auto* doorbell = [&] {
+  const std::shared_ptr<shm::Segment> doorbell_segment = [&] {
     std::lock_guard<std::mutex> lock(state->mu);
-    return AsDoorbell(state->doorbell);
+    return state->doorbell;
   }();
+  auto* doorbell = AsDoorbell(doorbell_segment);
   auto next_liveness = Clock::now();
   auto idle_since = Clock::now();
   std::map<int32_t, std::pair<shm::ProcessId, bool>> liveness;
@@ -615,6 +626,11 @@ void RunWatcher(ProcessState* state) {
       const auto now = Clock::now();
       if (consumers.empty()) {
         if (now - idle_since >= kWatcherIdleExit) {
+          // No pair of this process is pending: the doorbell goes too (made again on demand),
+          // so that nothing of a process that exits without the library's exit handler (a fork
+          // child ending in os._exit) outlives it but what it still held.
+          shm::Unlink(state->doorbell_name);
+          state->doorbell.reset();
           state->watcher_running = false;
           state->watcher_exited.notify_all();
           return;
@@ -683,8 +699,10 @@ std::shared_ptr<shm::Segment> ProducerDoorbell(ProcessState& state, const std::s
     segment = state.doorbells[name].lock();
   }
   if (!segment) {
+    // Gone: the consumer has no pending pair (its watcher went idle) or it exited; this pair is
+    // then complete or its consumer gone, and nobody needs the ring.
     segment = shm::Segment::Open(name, kSegmentBytes);
-    if (!segment) return nullptr;  // the consumer is exiting
+    if (!segment) return nullptr;
     std::lock_guard<std::mutex> lock(state.mu);
     state.doorbells[name] = segment;
   }
@@ -718,10 +736,9 @@ FileHandle FileHandle::Parse(std::string_view rest, std::string_view expected_ty
   handle.segment = std::string(rest.substr(first + 1, second - first - 1));
   handle.nonce_hex = std::string(rest.substr(second + 1));
   if (handle.type_name != expected_type) {
-    const bool known = handle.type_name == "tensor" || handle.type_name == "void";
-    throw bad(known ? "of a " + handle.type_name + " pair, not a " + std::string(expected_type) +
-                          " one (TensorPromise and VoidPromise are not interchangeable)"
-                    : "names no value type this build knows");
+    throw bad("carries another value type than this promise's '" + std::string(expected_type) +
+              "', not a " + std::string(expected_type) + " one (TensorPromise and VoidPromise "
+              "are not interchangeable)");
   }
   if (!shm::ParseSegmentName(handle.segment)) throw bad("names no segment of dtorch's form");
   unsigned char nonce[kNonceBytes];
@@ -733,7 +750,10 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle) {
   ProcessState& state = *process_state;
   {
     std::lock_guard<std::mutex> lock(state.mu);
-    if (auto attached = state.attachments[handle.segment].lock()) return attached;
+    const auto it = state.attachments.find(handle.segment);
+    if (it != state.attachments.end()) {
+      if (auto attached = it->second.lock()) return attached;
+    }
   }
   std::shared_ptr<shm::Segment> control = shm::Segment::Open(handle.segment, kSegmentBytes);
   if (!control) return nullptr;  // the pair is gone
@@ -742,6 +762,12 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle) {
   ParseHex(handle.nonce_hex, nonce, kNonceBytes);  // validated by Parse
   shm::ProcessId owner;
   shm::ParseSegmentName(handle.segment, &owner);
+  if (owner.pid_namespace != shm::Self().pid_namespace) {
+    throw FutureError(FutureErrc::kInvalidHandle,
+                      "the promise was created in another pid namespace (a container sharing "
+                      "/dev/shm but not its processes): producers and consumer must see each "
+                      "other's processes");
+  }
   if (block->magic != kControlMagic || block->layout_version != kLayoutVersion) {
     throw InvalidSegment(handle.segment, "no control block of this format");
   }
@@ -750,7 +776,7 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle) {
   }
   if (std::string(block->type_name, strnlen(block->type_name, kTypeNameBytes)) !=
           handle.type_name ||
-      !(shm::ProcessId{block->creator_pid, block->creator_start} == owner)) {
+      block->creator_pid != owner.pid || block->creator_start != owner.start_time) {
     throw InvalidSegment(handle.segment, "its value type or creator does not match");
   }
   const std::string doorbell_name = ReadName(block->doorbell);
@@ -758,7 +784,6 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle) {
     throw InvalidSegment(handle.segment, "its doorbell's name is corrupt");
   }
   auto doorbell = ProducerDoorbell(state, doorbell_name, block->doorbell_nonce);
-  if (!doorbell) return nullptr;
 
   uint32_t slot = 0;
   try {
@@ -782,9 +807,15 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle) {
     block->producers[slot].state = kAttached;
     block->producer_count.store(slot + 1, std::memory_order_release);
   } catch (const bip::lock_exception&) {
-    throw FutureError(FutureErrc::kBrokenPromise,
-                      "a producer died holding this promise's lock, so the promise can no longer "
-                      "be used (its future fails with \"producer died\")");
+    // The consumer may not know that producer (it may have died before registering): the pair
+    // is failed here.
+    const std::string why = "a producer died holding this promise's lock, so the promise can "
+                            "no longer be used";
+    ChannelBase breaker(control, kLockBreakerClaimant, doorbell);
+    if (breaker.TryClaim() == ClaimOutcome::kClaimed) {
+      breaker.PublishError({FutureErrc::kBrokenPromise, why});
+    }
+    throw FutureError(FutureErrc::kBrokenPromise, why);
   }
   auto attachment = std::make_shared<ProducerAttachment>(std::move(control), slot,
                                                          std::move(doorbell));
@@ -792,6 +823,16 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle) {
   auto& cached = state.attachments[handle.segment];
   if (auto raced = cached.lock()) return raced;  // another thread attached meanwhile
   cached = attachment;
+  // A long-lived producer attaches to many pairs: forget those it no longer holds.
+  if (state.attachments.size() >= 2 * state.attachments_after_sweep + 64) {
+    for (auto it = state.attachments.begin(); it != state.attachments.end();) {
+      it = it->second.expired() ? state.attachments.erase(it) : std::next(it);
+    }
+    for (auto it = state.doorbells.begin(); it != state.doorbells.end();) {
+      it = it->second.expired() ? state.doorbells.erase(it) : std::next(it);
+    }
+    state.attachments_after_sweep = state.attachments.size();
+  }
   return attachment;
 }
 
@@ -800,21 +841,18 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
     throw std::logic_error("a file kind value type name is at most 15 characters");
   }
   ProcessState& state = *process_state;
-  std::shared_ptr<shm::Segment> doorbell;
-  std::string doorbell_name;
-  {
-    std::lock_guard<std::mutex> lock(state.mu);
-    if (state.stopping) {
-      throw FutureError(FutureErrc::kDroppedAtExit,
-                        "file promises cannot be created once the process is exiting");
-    }
-    doorbell = OwnDoorbellLocked(state);
-    doorbell_name = state.doorbell_name;
+  // One critical section: the watcher, going idle, must not unlink the doorbell this pair names.
+  std::lock_guard<std::mutex> lock(state.mu);
+  if (state.stopping) {
+    throw FutureError(FutureErrc::kDroppedAtExit,
+                      "file promises cannot be created once the process is exiting");
   }
+  auto doorbell = OwnDoorbellLocked(state);
   const auto self = shm::Self();
   FileHandle handle;
   handle.type_name = std::string(type_name);
   handle.segment = shm::NewSegmentName(self);
+  std::string payload = shm::NewSegmentName(self);
   std::shared_ptr<shm::Segment> control = shm::Segment::Create(handle.segment, kSegmentBytes);
   auto* block = new (control->data()) FileControlBlock();  // zeroed; atomics and mutex built
   shm::RandomBytes(block->nonce, kNonceBytes);
@@ -822,14 +860,14 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
   std::memcpy(block->type_name, type_name.data(), type_name.size());
   block->creator_pid = self.pid;
   block->creator_start = self.start_time;
-  WriteName(block->doorbell, doorbell_name);
+  WriteName(block->doorbell, state.doorbell_name);
   std::memcpy(block->doorbell_nonce, AsDoorbell(doorbell)->nonce, kNonceBytes);
+  WriteName(block->payload, payload);
   block->layout_version = kLayoutVersion;
   block->magic = kControlMagic;  // last: a producer checks it first
 
   auto consumer = std::make_shared<ConsumerImpl>(std::move(control), std::move(handle),
-                                                 std::move(doorbell));
-  std::lock_guard<std::mutex> lock(state.mu);
+                                                 std::move(payload), std::move(doorbell));
   state.consumers.push_back(consumer);
   EnsureWatcherLocked(state);
   return consumer;
@@ -838,7 +876,6 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
 void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept {
   ProcessState& state = *process_state;
   std::vector<std::shared_ptr<ConsumerImpl>> consumers;
-  std::vector<std::shared_ptr<ProducerAttachment>> attachments;
   {
     std::unique_lock<std::mutex> lock(state.mu);
     state.stopping = true;
@@ -847,16 +884,24 @@ void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept {
     for (auto& weak : state.consumers) {
       if (auto consumer = weak.lock()) consumers.push_back(std::move(consumer));
     }
-    for (auto& [name, weak] : state.attachments) {
-      if (auto attachment = weak.lock()) attachments.push_back(std::move(attachment));
-    }
     if (state.doorbell) shm::Unlink(state.doorbell_name);
   }
   for (auto& consumer : consumers) consumer->UnlinkAtExit();
-  for (auto& attachment : attachments) attachment->Leave(kExited);
+  MarkFileProducersExited();
   // Leaked: a pending future may still be destroyed later in the exit, by another thread.
   new std::vector<std::shared_ptr<ConsumerImpl>>(std::move(consumers));
-  new std::vector<std::shared_ptr<ProducerAttachment>>(std::move(attachments));
+}
+
+void MarkFileProducersExited() noexcept {
+  ProcessState& state = *process_state;
+  std::vector<std::shared_ptr<ProducerAttachment>> attachments;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    for (auto& [name, weak] : state.attachments) {
+      if (auto attachment = weak.lock()) attachments.push_back(std::move(attachment));
+    }
+  }
+  for (auto& attachment : attachments) attachment->Leave(kExited);
 }
 
 void PrepareForkFileKind() noexcept { process_state->mu.lock(); }
@@ -888,6 +933,11 @@ size_t PendingFilePairs() {
   size_t count = 0;
   for (const auto& weak : process_state->consumers) count += weak.expired() ? 0 : 1;
   return count;
+}
+
+std::string FileDoorbellSegment() {
+  std::lock_guard<std::mutex> lock(process_state->mu);
+  return process_state->doorbell ? process_state->doorbell_name : std::string();
 }
 
 void HoldFilePromiseLockForTesting(const FileHandle& handle) {

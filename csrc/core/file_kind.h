@@ -40,6 +40,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <unistd.h>
 #include <string>
 #include <string_view>
 
@@ -74,14 +75,21 @@ struct PublishedValue {
 // One handle's way to complete a pair: the creator's own, or a producer process's attachment
 // (which registered the process in the producer table, and marks its entry dropped when the last
 // handle of that process goes).
+enum class ClaimOutcome {
+  kClaimed,
+  kClaimedByAnother,  // another handle (of any process) claimed it first
+  kFailedByConsumer,  // the consumer failed the pair (its producers gone, or none attached)
+};
+
 class FileChannel {
  public:
   virtual ~FileChannel() = default;
-  // Claims the completion; false if any other handle (of any process) claimed it first.
-  virtual bool TryClaim() = 0;
+  // Claims the completion, unless the pair was claimed (or failed) already.
+  virtual ClaimOutcome TryClaim() = 0;
   // After TryClaim(): publishes a value (a payload of payload_bytes, filled by `write`), or an
   // error. PublishValue throws FutureError(kSharedMemory) when the payload cannot be made, after
-  // publishing that error to the consumer instead.
+  // publishing that error to the consumer instead. Nothing is published if the consumer failed
+  // the pair meanwhile.
   virtual void PublishValue(const std::string& header, size_t payload_bytes,
                             const std::function<void(void*)>& write) = 0;
   virtual void PublishError(const ErrorInfo& error) noexcept = 0;
@@ -126,6 +134,10 @@ class FileConsumer {
 // The library's exit: stops the watcher (by `deadline`), marks this process's producer entries
 // "exited", and unlinks every segment this process still owns.
 void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept;
+// This process will not use its promises any more (it exits): its producer entries say "exited"
+// (a consumer then reports "producer exited (pid N)" rather than "died"). Part of StopFileKind;
+// also run by dtorch_ops in a fork-started multiprocessing child, which skips the exit handlers.
+void MarkFileProducersExited() noexcept;
 // Fork handlers (library_threads.cc).
 void PrepareForkFileKind() noexcept;
 void AfterForkFileKindInParent() noexcept;
@@ -135,8 +147,10 @@ int FileWatcherThreads();
 // How long a promise in flight whose creator dropped it waits for a producer to attach.
 void SetAttachTimeoutMs(int64_t ms);
 int64_t AttachTimeoutMs();
-// Pending file pairs of this process (registered with the watcher), for tests.
+// Pending file pairs of this process (registered with the watcher), and the name of its doorbell
+// segment ("" when it has none: no pair pending for a while), for tests.
 size_t PendingFilePairs();
+std::string FileDoorbellSegment();
 // Test-only: attaches as a producer, takes the promise's lock and never returns (the test kills
 // the process holding it).
 [[noreturn]] void HoldFilePromiseLockForTesting(const FileHandle& handle);
@@ -188,6 +202,9 @@ class FilePromise final : public PromiseBackend<T> {
   }
 
   void Complete(Result<T> result) override {
+    // Claimed by the parent of this forked child (whose fork handler fails what the parent had
+    // pending): the completion is the parent's to publish.
+    if (claimed_in_ != getpid()) return;
     const auto channel = Attach();
     if (!channel) return;  // the pair is gone: nobody will read the value
     if (!result.ok()) {
@@ -223,24 +240,37 @@ class FilePromise final : public PromiseBackend<T> {
  protected:
   void ClaimShared(const char* producer) override {
     const auto channel = Attach();
-    if (channel && !channel->TryClaim()) {
+    const ClaimOutcome outcome = channel ? channel->TryClaim() : ClaimOutcome::kClaimed;
+    if (outcome == ClaimOutcome::kClaimedByAnother) {
       throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
                         std::string("this ") + producer + " came second: another handle of the "
                         "promise (in this or another process) claimed it first. A promise is "
                         "fulfilled once: use a new one per value");
     }
+    if (outcome == ClaimOutcome::kFailedByConsumer) {
+      throw FutureError(FutureErrc::kBrokenPromise,
+                        std::string(producer) + " came too late: the consumer already failed "
+                        "this promise (no producer alive, or none attached in time)");
+    }
+    claimed_in_ = getpid();
   }
 
  private:
   // This handle's channel in this process: the creator's own, or the process's attachment as a
   // producer (made on first use; made anew in a forked child). Null when the pair is gone.
+  // Attaching (syscalls, the promise's interprocess lock) runs outside mu_: a fork meanwhile
+  // must not leave mu_ held in the child.
   std::shared_ptr<FileChannel> Attach() const {
+    const int32_t pid = getpid();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (attached_pid_ == pid) return channel_;
+    }
+    auto channel = consumer_ && consumer_->InCreatorProcess() ? consumer_->CreatorChannel()
+                                                             : AttachFileProducer(handle_);
     std::lock_guard<std::mutex> lock(mu_);
-    const int32_t pid = shm::Self().pid;
-    if (!attached_ || attached_pid_ != pid) {
-      channel_ = consumer_ && consumer_->InCreatorProcess() ? consumer_->CreatorChannel()
-                                                           : AttachFileProducer(handle_);
-      attached_ = true;
+    if (attached_pid_ != pid) {  // (else another thread attached meanwhile: the same channel)
+      channel_ = std::move(channel);
       attached_pid_ = pid;
     }
     return channel_;
@@ -249,9 +279,9 @@ class FilePromise final : public PromiseBackend<T> {
   const std::shared_ptr<const ValueCodec<T>> codec_;
   const std::shared_ptr<FileConsumer> consumer_;  // null unless this handle created the pair
   const FileHandle handle_;
+  std::atomic<int32_t> claimed_in_{0};             // the process whose Claim() this handle holds
   mutable std::mutex mu_;
-  mutable bool attached_ = false;                  // guarded by mu_
-  mutable int32_t attached_pid_ = 0;               // guarded by mu_
+  mutable int32_t attached_pid_ = 0;               // guarded by mu_: 0 until attached
   mutable std::shared_ptr<FileChannel> channel_;   // guarded by mu_
 };
 

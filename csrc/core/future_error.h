@@ -11,6 +11,7 @@
 
 namespace dtorch::core {
 
+// Append only: the file kind carries codes between processes.
 enum class FutureErrc {
   kBrokenPromise,            // the promise was destroyed without a value or an exception
   kPromiseAlreadySatisfied,  // a second SetValue/SetException on the same promise
@@ -25,6 +26,7 @@ enum class FutureErrc {
   kInvalidHandle,            // a serialized promise is malformed, tampered with or of another type
   kSharedMemory,             // the shared-memory transport failed (/dev/shm full, a segment gone)
 };
+inline constexpr FutureErrc kLastFutureErrc = FutureErrc::kSharedMemory;
 
 // Short, stable name of a code ("broken promise", ...); used as the message prefix.
 inline const char* FutureErrcName(FutureErrc code) {

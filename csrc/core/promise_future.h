@@ -65,7 +65,8 @@ class PromiseBackend {
   // Reserves the single completion for `producer` (a string literal: it is kept, to name the
   // first producer when a second one is refused). Throws FutureError(kPromiseAlreadySatisfied),
   // changing nothing, if this promise (here, or in another process for the kinds that cross
-  // processes) is claimed already.
+  // processes) is claimed already; any other error (the kind could not reach its pair) leaves
+  // the promise unclaimed.
   void Claim(const char* producer) {
     const char* first = nullptr;
     if (!claimed_by_.compare_exchange_strong(first, producer)) {
@@ -77,8 +78,13 @@ class PromiseBackend {
     }
     try {
       ClaimShared(producer);
+    } catch (const FutureError& e) {
+      // Only a claim taken elsewhere sticks; any other failure changes nothing.
+      claimed_by_ = e.code() == FutureErrc::kPromiseAlreadySatisfied
+                        ? "a producer elsewhere" : nullptr;
+      throw;
     } catch (...) {
-      claimed_by_ = "a producer in another process";
+      claimed_by_ = nullptr;
       throw;
     }
   }

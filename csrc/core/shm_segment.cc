@@ -12,7 +12,8 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
-#include <fstream>
+#include <fcntl.h>
+#include <map>
 #include <sstream>
 
 #include <boost/interprocess/mapped_region.hpp>
@@ -27,24 +28,50 @@ namespace {
 constexpr std::string_view kNamePrefix = "dtorch_";
 constexpr size_t kRandomBytes = 16;
 
-// Field 22 (starttime) and field 3 (state) of /proc/<pid>/stat; nullopt if there is no such
-// process. The command name (field 2) may hold spaces and parentheses: parse after the last ')'.
-std::optional<std::pair<char, uint64_t>> ReadStat(int32_t pid) {
+// What /proc/<pid>/stat says: the state (field 3) and start time (field 22) of the process; gone
+// when there is no such process; unknown when it cannot be read now (EMFILE, ENOMEM...).
+struct Stat {
+  enum { kRunning, kGone, kUnknown } status = kUnknown;
+  char state = '?';
+  uint64_t start_time = 0;
+};
+
+Stat ReadStat(int32_t pid) {
   char path[64];
   snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
-  std::ifstream file(path);
-  std::string line;
-  if (!file || !std::getline(file, line)) return std::nullopt;
-  const auto paren = line.rfind(')');
-  if (paren == std::string::npos) return std::nullopt;
-  std::istringstream fields(line.substr(paren + 1));
-  char state = '?';
-  fields >> state;
+  Stat stat;
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT || errno == ESRCH) stat.status = Stat::kGone;
+    return stat;
+  }
+  char buffer[1024];
+  ssize_t got;
+  do {
+    got = read(fd, buffer, sizeof(buffer) - 1);
+  } while (got < 0 && errno == EINTR);
+  const int read_error = errno;
+  close(fd);
+  if (got <= 0) {
+    if (got < 0 && read_error == ESRCH) stat.status = Stat::kGone;  // exited since the open
+    return stat;
+  }
+  buffer[got] = '\0';
+  // The command name (field 2) may hold spaces and parentheses: parse after the last ')'.
+  const char* paren = strrchr(buffer, ')');
+  if (paren == nullptr) return stat;
+  std::istringstream fields(paren + 1);
+  fields >> stat.state;
   std::string skip;
   for (int field = 4; field < 22; ++field) fields >> skip;  // ppid .. itrealvalue
-  uint64_t start = 0;
-  if (!(fields >> start)) return std::nullopt;
-  return std::make_pair(state, start);
+  if (!(fields >> stat.start_time)) return stat;
+  stat.status = Stat::kRunning;
+  return stat;
+}
+
+uint64_t PidNamespace(const char* path) {
+  struct stat info {};
+  return ::stat(path, &info) == 0 ? static_cast<uint64_t>(info.st_ino) : 0;
 }
 
 FutureError ShmError(const std::string& what, int error) {
@@ -61,24 +88,36 @@ FutureError ShmError(const std::string& what, int error) {
 }  // namespace
 
 ProcessId Self() {
+  // Per process: a fork child computes its own. Written once per pid (racing writers store the
+  // same values), read lock-free.
   static std::atomic<int32_t> cached_pid{0};
-  static std::atomic<uint64_t> cached_start{0};
+  static ProcessId cached;
   const int32_t pid = getpid();
   if (cached_pid.load(std::memory_order_acquire) != pid) {
-    const auto stat = ReadStat(pid);
-    cached_start.store(stat ? stat->second : 0, std::memory_order_relaxed);
+    const Stat stat = ReadStat(pid);
+    const uint64_t pid_namespace = PidNamespace("/proc/self/ns/pid");
+    if (stat.status != Stat::kRunning || pid_namespace == 0) {
+      throw FutureError(FutureErrc::kSharedMemory,
+                        "cannot read this process's identity from /proc (is /proc mounted?)");
+    }
+    cached = {pid, stat.start_time, pid_namespace};
     cached_pid.store(pid, std::memory_order_release);
   }
-  return {pid, cached_start.load(std::memory_order_relaxed)};
+  return cached;
+}
+
+ProcessId InThisNamespace(int32_t pid, uint64_t start_time) {
+  return {pid, start_time, Self().pid_namespace};
 }
 
 bool IsAlive(const ProcessId& process) {
   if (process.pid <= 0) return false;
-  const auto stat = ReadStat(process.pid);
-  if (!stat) return false;
-  const char state = stat->first;
-  if (state == 'Z' || state == 'X' || state == 'x') return false;  // exited, not yet reaped
-  return stat->second == process.start_time;
+  if (process.pid_namespace != Self().pid_namespace) return true;  // cannot tell
+  const Stat stat = ReadStat(process.pid);
+  if (stat.status == Stat::kGone) return false;
+  if (stat.status == Stat::kUnknown) return true;  // cannot tell now: asked again later
+  if (stat.state == 'Z' || stat.state == 'X' || stat.state == 'x') return false;  // exited
+  return stat.start_time == process.start_time;
 }
 
 void RandomBytes(void* out, size_t size) {
@@ -111,7 +150,8 @@ std::string NewSegmentName(const ProcessId& owner) {
   unsigned char random[kRandomBytes];
   RandomBytes(random, sizeof(random));
   return std::string(kNamePrefix) + std::to_string(owner.pid) + "-" +
-         std::to_string(owner.start_time) + "_" + HexOf(random, sizeof(random));
+         std::to_string(owner.start_time) + "-" + std::to_string(owner.pid_namespace) + "_" +
+         HexOf(random, sizeof(random));
 }
 
 bool ParseSegmentName(std::string_view name, ProcessId* owner) {
@@ -119,7 +159,8 @@ bool ParseSegmentName(std::string_view name, ProcessId* owner) {
     return false;
   }
   name.remove_prefix(kNamePrefix.size());
-  // <pid: 1-10 digits>-<start: 1-20 digits>_<32 lowercase hex digits>, nothing else.
+  // <pid: 1-10 digits>-<start: 1-20 digits>-<pid namespace: 1-20 digits>_<32 lowercase hex
+  // digits>, nothing else.
   const auto number = [&](char end, size_t max_digits, uint64_t* value) {
     const auto stop = name.find(end);
     if (stop == 0 || stop == std::string_view::npos || stop > max_digits) return false;
@@ -133,14 +174,15 @@ bool ParseSegmentName(std::string_view name, ProcessId* owner) {
     name.remove_prefix(stop + 1);
     return true;
   };
-  uint64_t pid = 0, start = 0;
+  uint64_t pid = 0, start = 0, pid_namespace = 0;
   if (!number('-', 10, &pid) || pid == 0 || pid > INT32_MAX) return false;
-  if (!number('_', 20, &start)) return false;
+  if (!number('-', 20, &start)) return false;
+  if (!number('_', 20, &pid_namespace)) return false;
   if (name.size() != 2 * kRandomBytes) return false;
   for (const char c : name) {
     if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
   }
-  if (owner) *owner = {static_cast<int32_t>(pid), start};
+  if (owner) *owner = {static_cast<int32_t>(pid), start, pid_namespace};
   return true;
 }
 
@@ -176,6 +218,10 @@ std::unique_ptr<Segment> Segment::Open(const std::string& name, size_t expected_
                                                           bip::read_write);
   } catch (const bip::interprocess_exception& e) {
     if (e.get_native_error() == ENOENT) return nullptr;
+    if (e.get_native_error() == EACCES) {
+      throw FutureError(FutureErrc::kInvalidHandle,
+                        "/dev/shm/" + name + " belongs to another user; refusing to use it");
+    }
     throw ShmError("opening shared memory segment /dev/shm/" + name, e.get_native_error());
   }
   struct stat info {};
@@ -215,14 +261,23 @@ void ReapSegmentsOfDeadProcesses() noexcept {
   DIR* dir = opendir("/dev/shm");
   if (dir == nullptr) return;
   const uid_t me = geteuid();
-  while (const dirent* entry = readdir(dir)) {
-    ProcessId owner;
-    if (!ParseSegmentName(entry->d_name, &owner)) continue;
-    struct stat info {};
-    if (fstatat(dirfd(dir), entry->d_name, &info, AT_SYMLINK_NOFOLLOW) != 0) continue;
-    if (info.st_uid != me || !S_ISREG(info.st_mode)) continue;
-    if (IsAlive(owner)) continue;
-    unlinkat(dirfd(dir), entry->d_name, 0);
+  std::map<std::pair<int32_t, uint64_t>, bool> alive;  // a live owner may have many segments
+  try {
+    const uint64_t pid_namespace = Self().pid_namespace;
+    while (const dirent* entry = readdir(dir)) {
+      ProcessId owner;
+      if (!ParseSegmentName(entry->d_name, &owner)) continue;
+      if (owner.pid_namespace != pid_namespace) continue;  // its liveness is not ours to tell
+      struct stat info {};
+      if (fstatat(dirfd(dir), entry->d_name, &info, AT_SYMLINK_NOFOLLOW) != 0) continue;
+      if (info.st_uid != me || !S_ISREG(info.st_mode)) continue;
+      const auto key = std::make_pair(owner.pid, owner.start_time);
+      auto it = alive.find(key);
+      if (it == alive.end()) it = alive.emplace(key, IsAlive(owner)).first;
+      if (!it->second) unlinkat(dirfd(dir), entry->d_name, 0);
+    }
+  } catch (...) {
+    // No identity (no /proc): reap nothing.
   }
   closedir(dir);
 }

@@ -1,9 +1,10 @@
 // Shared-memory segments, process identity and futexes for the kinds that cross processes
 // (torch-free; Linux).
 //
-// Segments are POSIX shared memory (Boost.Interprocess) named "dtorch_<pid>-<start>_<32 hex>":
-// the pid and start time of the process the segment belongs to (so that what a dead process left
-// behind can be told apart and reaped), and 128 random bits (so that nobody can guess a name).
+// Segments are POSIX shared memory (Boost.Interprocess) named
+// "dtorch_<pid>-<start>-<pid namespace>_<32 hex>": the process the segment belongs to (so that
+// what a dead process left behind can be told apart and reaped, by processes of its pid namespace
+// only), and 128 random bits (so that nobody can guess a name).
 // They are created exclusively (O_EXCL) with mode 0600, their space reserved up front (a full
 // /dev/shm is an error at creation, not a SIGBUS at first write), and checked on open: a regular
 // file of this user, mode 0600, of the expected size.
@@ -27,18 +28,24 @@ class mapped_region;
 namespace dtorch::core::shm {
 
 // A process, told apart from a later one that reuses its pid by its start time (clock ticks after
-// boot, /proc/<pid>/stat field 22).
+// boot, /proc/<pid>/stat field 22), in a pid namespace (the inode of /proc/<pid>/ns/pid).
 struct ProcessId {
   int32_t pid = 0;
   uint64_t start_time = 0;
+  uint64_t pid_namespace = 0;
   bool operator==(const ProcessId& other) const {
-    return pid == other.pid && start_time == other.start_time;
+    return pid == other.pid && start_time == other.start_time &&
+           pid_namespace == other.pid_namespace;
   }
 };
 
-// This process (recomputed after fork).
+// This process (recomputed after fork). Throws FutureError(kSharedMemory) if /proc cannot tell.
 ProcessId Self();
-// Whether `process` still runs: it exists, is not a zombie, and has the same start time.
+// A process of this pid namespace.
+ProcessId InThisNamespace(int32_t pid, uint64_t start_time);
+// Whether `process` still runs: false only when it is known to be gone (no such pid, a zombie, or
+// another start time). A process of another pid namespace, or one /proc cannot tell about now
+// (out of file descriptors), counts as alive.
 bool IsAlive(const ProcessId& process);
 
 // Fills `out` with random bytes from the kernel (getrandom).
@@ -59,8 +66,8 @@ class Segment {
   // Throws FutureError(kSharedMemory) naming the cause (no room in /dev/shm, name taken).
   static std::unique_ptr<Segment> Create(const std::string& name, size_t size);
   // Opens and maps an existing segment: nullptr if no such name exists; throws
-  // FutureError(kInvalidHandle) unless it is a regular file of this user, mode 0600, of
-  // `expected_size` bytes.
+  // FutureError(kInvalidHandle) unless it is a regular file of this user (EACCES: another
+  // user's), mode 0600, of `expected_size` bytes.
   static std::unique_ptr<Segment> Open(const std::string& name, size_t expected_size);
 
   ~Segment();
@@ -77,8 +84,8 @@ class Segment {
 
 // Removes the name (mappings stay valid). A name that is gone already is not an error.
 void Unlink(const std::string& name) noexcept;
-// Unlinks every segment of ours (this user, our name form) whose owner process is gone: what a
-// killed process left behind. Runs when the library loads.
+// Unlinks every segment of ours (this user, our name form, this pid namespace) whose owner process
+// is gone: what a killed process left behind. Runs when the library loads.
 void ReapSegmentsOfDeadProcesses() noexcept;
 
 // Futex on a 32-bit word in shared memory (not FUTEX_PRIVATE: the waker is another process).

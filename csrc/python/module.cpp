@@ -95,7 +95,11 @@ void TranslateCodedErrors(std::exception_ptr error) {
   } catch (const CodedErrorBase& coded) {
     const auto* c10_error = dynamic_cast<const c10::Error*>(&coded);
     const char* message = c10_error ? c10_error->what_without_backtrace() : "dtorch: error";
-    PyErr_SetString(ExceptionClass(coded.code()), message);
+    // A producer's message from another process: not trusted to be valid UTF-8.
+    const auto text = py::reinterpret_steal<py::object>(
+        PyUnicode_DecodeUTF8(message, static_cast<Py_ssize_t>(strlen(message)), "replace"));
+    if (!text) return;  // (MemoryError is set)
+    PyErr_SetObject(ExceptionClass(coded.code()), text.ptr());
   }
 }
 
@@ -344,6 +348,10 @@ PYBIND11_MODULE(_C, m) {
     return threads;
   });
   m.def("pending_file_pairs", &core::PendingFilePairs);
+  m.def("file_doorbell_segment", &core::FileDoorbellSegment);
+  // dtorch_ops calls it in a fork-started multiprocessing child before it exits (which skips the
+  // library's exit handler): its consumers then read "producer exited", not "died".
+  m.def("mark_file_producers_exited", &core::MarkFileProducersExited);
   // Test-only: in a producer process, takes `promise`'s interprocess lock and never returns.
   m.def("hold_file_promise_lock_for_testing", [](const std::string& serialized) {
     const std::string prefix = core::SerializedPrefix(core::kFileKind);
