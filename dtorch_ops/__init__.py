@@ -51,8 +51,9 @@ _os.register_at_fork(after_in_child=_C.after_fork_in_child)
 class _MultiprocessingChildExit:
     """A multiprocessing child started with fork ends in os._exit, past the library's exit
     handler; its finalizers still run: one says to the consumers of the file promises it used
-    that it exited (rather than died). Registered after multiprocessing's own after-fork reset,
-    which clears the finalizers a child inherits."""
+    that it exited (rather than died; they wait until it is gone, as its threads may still set
+    values), and unlinks its doorbell if none of its own pairs is pending. Registered after
+    multiprocessing's own after-fork reset, which clears the finalizers a child inherits."""
 
     def __init__(self):
         from multiprocessing import util
@@ -63,7 +64,7 @@ class _MultiprocessingChildExit:
     def _in_child(_self):
         from multiprocessing import util
 
-        util.Finalize(None, _C.mark_file_producers_exited, exitpriority=-100)
+        util.Finalize(None, _C.file_kind_at_child_exit, exitpriority=-100)
 
 
 _multiprocessing_child_exit = _MultiprocessingChildExit()

@@ -414,3 +414,43 @@ def test_a_long_message_in_any_script_arrives_whole_or_cut_cleanly(producer):
         future.wait(WAIT_MS)
     detail = str(failed.value).split("producer error: ", 1)[1]
     assert detail == "é" * len(detail) and 400 < len(detail) < 2000
+
+
+def _set_later_from_a_thread(promise):
+    import threading
+
+    def later():
+        time.sleep(1.5)  # past run()'s return: multiprocessing joins the thread at exit
+        promise.set_value(torch.full((2,), 9.0))
+
+    threading.Thread(target=later).start()
+
+
+def test_a_worker_thread_may_set_after_run_returns():
+    """A fork-started worker says "exited" to its consumers at exit, before multiprocessing joins
+    its threads: a live worker is not taken for gone meanwhile."""
+    promise, future = file_pair()
+    child = multiprocessing.get_context("fork").Process(target=_set_later_from_a_thread,
+                                                        args=(promise,))
+    child.start()
+    try:
+        assert torch.equal(future.wait(WAIT_MS), torch.full((2,), 9.0))
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def _consume_own_pair():
+    promise, future = file_pair()
+    promise.set_value(torch.ones(1))
+    future.get()
+
+
+def test_a_fork_started_child_leaves_nothing_in_dev_shm():
+    """Such a child ends in os._exit, past the library's exit handler: what it made (its pair,
+    its doorbell) is gone all the same."""
+    child = multiprocessing.get_context("fork").Process(target=_consume_own_pair)
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"dtorch_{child.pid}-")]

@@ -172,13 +172,21 @@ class ChannelBase : public FileChannel {
     if (block()->state.compare_exchange_strong(state, State(kClaimed, claimant_))) {
       return ClaimOutcome::kClaimed;
     }
-    return Claimant(state) == kConsumerClaimant ? ClaimOutcome::kFailedByConsumer
-                                                : ClaimOutcome::kClaimedByAnother;
+    // Producers and the creator complete pairs; the consumer and a lock breaker only fail them
+    // (or, the consumer, close them when the pair is dropped).
+    const uint32_t claimant = Claimant(state);
+    if (claimant == kConsumerClaimant && (block()->flags.load() & kConsumerGone)) {
+      return ClaimOutcome::kPairGone;
+    }
+    return claimant == kConsumerClaimant || claimant == kLockBreakerClaimant
+               ? ClaimOutcome::kFailedByConsumer
+               : ClaimOutcome::kClaimedByAnother;
   }
 
   void PublishValue(const std::string& header, size_t payload_bytes,
                     const std::function<void(void*)>& write) override {
     auto* b = block();
+    if (b->state.load() != State(kClaimed, claimant_)) return;  // broken meanwhile: no payload
     const auto fail = [&](const FutureError& error) {
       PublishError({error.code(), error.detail()});
       return error;
@@ -224,6 +232,7 @@ class ChannelBase : public FileChannel {
 
   void PublishError(const ErrorInfo& error) noexcept override {
     auto* b = block();
+    if (b->state.load() != State(kClaimed, claimant_)) return;  // broken meanwhile: its detail stays
     b->error_code = static_cast<uint32_t>(error.code);
     // At most kMaxDetailBytes, cut at a UTF-8 character boundary.
     size_t bytes = std::min(error.detail.size(), kMaxDetailBytes);
@@ -291,11 +300,20 @@ std::atomic<int64_t> attach_timeout_ms{kDefaultAttachTimeoutMs};
 // child without being serialized.
 std::atomic<uint64_t> forks_in_parent{0};
 
+// A payload a producer may still be writing for a pair whose consumer is gone: unlinked once the
+// producer died or finished (a producer that finishes unlinks it itself; one killed mid-copy
+// cannot, and the name, the live consumer's, would not be reaped).
+struct OrphanPayload {
+  std::shared_ptr<shm::Segment> control;
+  std::string payload;
+};
+
 struct ProcessState {
   std::mutex mu;
   std::condition_variable watcher_exited;
   // Everything below is guarded by mu.
   std::vector<std::weak_ptr<ConsumerImpl>> consumers;  // this process's pending pairs
+  std::vector<OrphanPayload> orphans;
   std::shared_ptr<shm::Segment> doorbell;              // this process's doorbell (made on demand)
   std::string doorbell_name;
   bool watcher_running = false;
@@ -311,6 +329,10 @@ struct ProcessState {
 ProcessState* process_state = new ProcessState();
 
 void EnsureWatcherLocked(ProcessState& state);
+void ReleaseDoorbellLocked(ProcessState& state);
+void CheckOrphanPayloads(ProcessState& state,
+                         const std::function<bool(const shm::ProcessId&)>& alive);
+void AdoptOrphanPayload(std::shared_ptr<shm::Segment> control, const std::string& payload);
 
 DoorbellBlock* AsDoorbell(const std::shared_ptr<shm::Segment>& segment) {
   return static_cast<DoorbellBlock*>(segment->data());
@@ -346,8 +368,16 @@ class ConsumerImpl final : public FileConsumer {
 
   ~ConsumerImpl() override {
     if (!InCreatorProcess()) return;  // a forked child's copy: the pair is the parent's
-    UnlinkAll();
+    UnlinkAll();  // sets kConsumerGone first
+    // Closed: a producer that attached already claims nothing now (and makes no payload).
+    uint32_t state = State(kPending, 0);
+    if (block()->state.compare_exchange_strong(state, State(kClaimed, kConsumerClaimant))) return;
+    if (Phase(state) == kClaimed && Claimant(state) < kMaxProducers) {
+      AdoptOrphanPayload(control_, payload_);  // a producer is writing it now
+    }
   }
+
+  bool Pending() const { return !IsDone(block()->state.load()); }
 
   const FileHandle& handle() const override { return handle_; }
   bool InCreatorProcess() const override { return getpid() == creator_pid_; }
@@ -493,14 +523,15 @@ class ConsumerImpl final : public FileConsumer {
         auto& entry = b->producers[i];
         const uint32_t entry_state = entry.state.load();
         const auto producer = shm::InThisNamespace(entry.pid.load(), entry.start_time.load());
-        if (entry_state == kAttached) {
+        // "Exited" is said at exit, when threads of the process may still set the value
+        // (multiprocessing runs its finalizers before it joins them): live until it is gone.
+        if (entry_state == kAttached || entry_state == kExited) {
           if (alive(producer)) {
             no_producer_since_.reset();
             return false;
           }
-          if (died == 0) died = producer.pid;
-        } else if (entry_state == kExited && exited == 0) {
-          exited = producer.pid;
+          if (entry_state == kAttached && died == 0) died = producer.pid;
+          if (entry_state == kExited && exited == 0) exited = producer.pid;
         }
       }
       if (!no_producer_since_) no_producer_since_ = now;
@@ -624,13 +655,12 @@ void RunWatcher(ProcessState* state) {
                                 }),
                  list.end());
       const auto now = Clock::now();
-      if (consumers.empty()) {
+      if (consumers.empty() && state->orphans.empty()) {
         if (now - idle_since >= kWatcherIdleExit) {
           // No pair of this process is pending: the doorbell goes too (made again on demand),
           // so that nothing of a process that exits without the library's exit handler (a fork
           // child ending in os._exit) outlives it but what it still held.
-          shm::Unlink(state->doorbell_name);
-          state->doorbell.reset();
+          ReleaseDoorbellLocked(*state);
           state->watcher_running = false;
           state->watcher_exited.notify_all();
           return;
@@ -654,9 +684,14 @@ void RunWatcher(ProcessState* state) {
       return it->second.second;
     };
     std::vector<std::shared_ptr<ConsumerImpl>> done;
-    for (auto& consumer : consumers) {
-      if (!check_liveness && !consumer->HasCallbacks()) continue;
-      if (consumer->Check(now, check_liveness, alive)) done.push_back(consumer);
+    try {
+      for (auto& consumer : consumers) {
+        if (!check_liveness && !consumer->HasCallbacks()) continue;
+        if (consumer->Check(now, check_liveness, alive)) done.push_back(consumer);
+      }
+      if (check_liveness) CheckOrphanPayloads(*state, alive);
+    } catch (...) {
+      // (Out of memory, say.) The next round checks again; the watcher must not die.
     }
     if (!done.empty()) {
       std::lock_guard<std::mutex> lock(state->mu);
@@ -681,6 +716,47 @@ void RunWatcher(ProcessState* state) {
   std::lock_guard<std::mutex> lock(state->mu);
   state->watcher_running = false;
   state->watcher_exited.notify_all();
+}
+
+void ReleaseDoorbellLocked(ProcessState& state) {
+  if (!state.doorbell) return;
+  shm::Unlink(state.doorbell_name);
+  state.doorbell.reset();
+}
+
+void AdoptOrphanPayload(std::shared_ptr<shm::Segment> control, const std::string& payload) {
+  ProcessState& state = *process_state;
+  std::lock_guard<std::mutex> lock(state.mu);
+  if (state.stopping) {
+    shm::Unlink(payload);
+    return;
+  }
+  state.orphans.push_back({std::move(control), payload});
+  EnsureWatcherLocked(state);
+}
+
+void CheckOrphanPayloads(ProcessState& state,
+                         const std::function<bool(const shm::ProcessId&)>& alive) {
+  std::vector<OrphanPayload> orphans;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    orphans.swap(state.orphans);
+  }
+  std::vector<OrphanPayload> still_writing;
+  for (auto& orphan : orphans) {
+    auto* b = static_cast<FileControlBlock*>(orphan.control->data());
+    const uint32_t st = b->state.load();
+    if (Phase(st) == kClaimed && Claimant(st) < kMaxProducers) {
+      auto& entry = b->producers[Claimant(st)];
+      if (alive(shm::InThisNamespace(entry.pid.load(), entry.start_time.load()))) {
+        still_writing.push_back(std::move(orphan));
+        continue;
+      }
+    }
+    shm::Unlink(orphan.payload);
+  }
+  std::lock_guard<std::mutex> lock(state.mu);
+  for (auto& orphan : still_writing) state.orphans.push_back(std::move(orphan));
 }
 
 void EnsureWatcherLocked(ProcessState& state) {
@@ -848,6 +924,7 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
                       "file promises cannot be created once the process is exiting");
   }
   auto doorbell = OwnDoorbellLocked(state);
+  EnsureWatcherLocked(state);  // first: it unlinks the doorbell if this pair is never made
   const auto self = shm::Self();
   FileHandle handle;
   handle.type_name = std::string(type_name);
@@ -869,7 +946,6 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
   auto consumer = std::make_shared<ConsumerImpl>(std::move(control), std::move(handle),
                                                  std::move(payload), std::move(doorbell));
   state.consumers.push_back(consumer);
-  EnsureWatcherLocked(state);
   return consumer;
 }
 
@@ -884,7 +960,9 @@ void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept {
     for (auto& weak : state.consumers) {
       if (auto consumer = weak.lock()) consumers.push_back(std::move(consumer));
     }
-    if (state.doorbell) shm::Unlink(state.doorbell_name);
+    for (auto& orphan : state.orphans) shm::Unlink(orphan.payload);
+    state.orphans.clear();
+    ReleaseDoorbellLocked(state);
   }
   for (auto& consumer : consumers) consumer->UnlinkAtExit();
   MarkFileProducersExited();
@@ -902,6 +980,18 @@ void MarkFileProducersExited() noexcept {
     }
   }
   for (auto& attachment : attachments) attachment->Leave(kExited);
+}
+
+void ReleaseIdleFileSegments() noexcept {
+  ProcessState& state = *process_state;
+  std::vector<std::shared_ptr<ConsumerImpl>> consumers;  // released outside mu
+  std::lock_guard<std::mutex> lock(state.mu);
+  for (auto& weak : state.consumers) {
+    if (auto consumer = weak.lock()) consumers.push_back(std::move(consumer));
+  }
+  const bool pending = std::any_of(consumers.begin(), consumers.end(),
+                                   [](const auto& consumer) { return consumer->Pending(); });
+  if (!pending && state.orphans.empty()) ReleaseDoorbellLocked(state);
 }
 
 void PrepareForkFileKind() noexcept { process_state->mu.lock(); }

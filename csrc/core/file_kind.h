@@ -78,7 +78,8 @@ struct PublishedValue {
 enum class ClaimOutcome {
   kClaimed,
   kClaimedByAnother,  // another handle (of any process) claimed it first
-  kFailedByConsumer,  // the consumer failed the pair (its producers gone, or none attached)
+  kFailedByConsumer,  // failed already: its producers gone, none attached, or its lock abandoned
+  kPairGone,          // its consumer dropped it: nobody will read a value
 };
 
 class FileChannel {
@@ -138,6 +139,10 @@ void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept;
 // (a consumer then reports "producer exited (pid N)" rather than "died"). Part of StopFileKind;
 // also run by dtorch_ops in a fork-started multiprocessing child, which skips the exit handlers.
 void MarkFileProducersExited() noexcept;
+// Unlinks this process's doorbell now if no pair of it is pending (the watcher would in 2 s):
+// for a process about to end without the library's exit handler (that same multiprocessing
+// child).
+void ReleaseIdleFileSegments() noexcept;
 // Fork handlers (library_threads.cc).
 void PrepareForkFileKind() noexcept;
 void AfterForkFileKindInParent() noexcept;
@@ -204,9 +209,9 @@ class FilePromise final : public PromiseBackend<T> {
   void Complete(Result<T> result) override {
     // Claimed by the parent of this forked child (whose fork handler fails what the parent had
     // pending): the completion is the parent's to publish.
-    if (claimed_in_ != getpid()) return;
+    if (claimed_in_ != getpid() || !delivers_) return;  // (not delivering: the pair is gone)
     const auto channel = Attach();
-    if (!channel) return;  // the pair is gone: nobody will read the value
+    if (!channel) return;
     if (!result.ok()) {
       channel->PublishError(result.error());
       return;
@@ -240,7 +245,7 @@ class FilePromise final : public PromiseBackend<T> {
  protected:
   void ClaimShared(const char* producer) override {
     const auto channel = Attach();
-    const ClaimOutcome outcome = channel ? channel->TryClaim() : ClaimOutcome::kClaimed;
+    const ClaimOutcome outcome = channel ? channel->TryClaim() : ClaimOutcome::kPairGone;
     if (outcome == ClaimOutcome::kClaimedByAnother) {
       throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
                         std::string("this ") + producer + " came second: another handle of the "
@@ -249,9 +254,11 @@ class FilePromise final : public PromiseBackend<T> {
     }
     if (outcome == ClaimOutcome::kFailedByConsumer) {
       throw FutureError(FutureErrc::kBrokenPromise,
-                        std::string(producer) + " came too late: the consumer already failed "
-                        "this promise (no producer alive, or none attached in time)");
+                        std::string(producer) + " came too late: the promise was already failed "
+                        "(no producer alive, none attached in time, or its lock abandoned by a "
+                        "producer that died)");
     }
+    delivers_ = outcome == ClaimOutcome::kClaimed;  // (else the pair is gone: a no-op)
     claimed_in_ = getpid();
   }
 
@@ -280,6 +287,7 @@ class FilePromise final : public PromiseBackend<T> {
   const std::shared_ptr<FileConsumer> consumer_;  // null unless this handle created the pair
   const FileHandle handle_;
   std::atomic<int32_t> claimed_in_{0};             // the process whose Claim() this handle holds
+  std::atomic<bool> delivers_{false};              // that claim reached a pair that is there
   mutable std::mutex mu_;
   mutable int32_t attached_pid_ = 0;               // guarded by mu_: 0 until attached
   mutable std::shared_ptr<FileChannel> channel_;   // guarded by mu_

@@ -88,22 +88,27 @@ FutureError ShmError(const std::string& what, int error) {
 }  // namespace
 
 ProcessId Self() {
-  // Per process: a fork child computes its own. Written once per pid (racing writers store the
-  // same values), read lock-free.
+  // Per process: a fork child computes its own (racing writers store the same values).
   static std::atomic<int32_t> cached_pid{0};
-  static ProcessId cached;
+  static std::atomic<uint64_t> cached_start{0}, cached_namespace{0};
   const int32_t pid = getpid();
   if (cached_pid.load(std::memory_order_acquire) != pid) {
-    const Stat stat = ReadStat(pid);
+    // /proc must be this pid namespace's (unshare -p without a new /proc shows another's).
+    char self_link[32] = {};
+    const ssize_t link_bytes = readlink("/proc/self", self_link, sizeof(self_link) - 1);
+    const bool own_proc = link_bytes > 0 && std::to_string(pid) == self_link;
+    const Stat stat = own_proc ? ReadStat(pid) : Stat();
     const uint64_t pid_namespace = PidNamespace("/proc/self/ns/pid");
-    if (stat.status != Stat::kRunning || pid_namespace == 0) {
+    if (!own_proc || stat.status != Stat::kRunning || pid_namespace == 0) {
       throw FutureError(FutureErrc::kSharedMemory,
-                        "cannot read this process's identity from /proc (is /proc mounted?)");
+                        "cannot read this process's identity from /proc (is this pid namespace's /proc mounted?)");
     }
-    cached = {pid, stat.start_time, pid_namespace};
+    cached_start.store(stat.start_time, std::memory_order_relaxed);
+    cached_namespace.store(pid_namespace, std::memory_order_relaxed);
     cached_pid.store(pid, std::memory_order_release);
   }
-  return cached;
+  return {pid, cached_start.load(std::memory_order_relaxed),
+          cached_namespace.load(std::memory_order_relaxed)};
 }
 
 ProcessId InThisNamespace(int32_t pid, uint64_t start_time) {

@@ -350,8 +350,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("pending_file_pairs", &core::PendingFilePairs);
   m.def("file_doorbell_segment", &core::FileDoorbellSegment);
   // dtorch_ops calls it in a fork-started multiprocessing child before it exits (which skips the
-  // library's exit handler): its consumers then read "producer exited", not "died".
-  m.def("mark_file_producers_exited", &core::MarkFileProducersExited);
+  // library's exit handler): its consumers then read "producer exited", not "died", and its
+  // doorbell goes if nothing of it is pending.
+  m.def("file_kind_at_child_exit", [] {
+    core::MarkFileProducersExited();
+    core::ReleaseIdleFileSegments();
+  });
   // Test-only: in a producer process, takes `promise`'s interprocess lock and never returns.
   m.def("hold_file_promise_lock_for_testing", [](const std::string& serialized) {
     const std::string prefix = core::SerializedPrefix(core::kFileKind);
