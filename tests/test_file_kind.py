@@ -93,6 +93,32 @@ def test_values_of_every_dtype_and_layout_arrive(producer, dtype, shape, layout)
     assert not future.valid()
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_every_dtype_of_the_closed_set_round_trips():
+    dtypes = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+              torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex32,
+              torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+              torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+              torch.float8_e8m0fnu, torch.float4_e2m1fn_x2]
+    for dtype in dtypes:
+        pattern = torch.arange(6, dtype=torch.uint8)
+        if dtype == torch.bool:
+            pattern = pattern % 2  # (copies canonicalise bools to 0 and 1)
+        raw = pattern.repeat(dtype.itemsize)
+        value = raw.view(dtype)  # bit patterns: no arithmetic needed on the exotic dtypes
+        promise, future = file_pair()
+        promise.set_value(value)
+        received = future.wait(WAIT_MS)
+        assert received.dtype == dtype and received.shape == value.shape
+        assert torch.equal(received.view(torch.uint8), raw), dtype
+    promise, future = file_pair()
+    quantized = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
+    with pytest.raises(RuntimeError, match="cannot carry dtype"):
+        promise.set_value(quantized)
+    promise.set_value(torch.ones(1))
+    future.get()
+
+
 def test_a_64_mib_value_arrives_and_is_a_writable_view(producer):
     promise, future = file_pair()
     value = torch.randn(16 * 1024 * 1024)

@@ -21,6 +21,7 @@ constexpr c10::ScalarType kWireDtypes[] = {
     c10::kComplexDouble, c10::kUInt16,        c10::kUInt32,         c10::kUInt64,
     c10::ScalarType::Float8_e4m3fn,   c10::ScalarType::Float8_e5m2,
     c10::ScalarType::Float8_e4m3fnuz, c10::ScalarType::Float8_e5m2fnuz,
+    c10::ScalarType::Float8_e8m0fnu,  c10::ScalarType::Float4_e2m1fn_x2,
 };
 constexpr uint32_t kWireDtypeCount = sizeof(kWireDtypes) / sizeof(kWireDtypes[0]);
 constexpr int64_t kMaxDims = 64;
