@@ -2,35 +2,41 @@
 // (Boost.Interprocess) (torch-free; values are written and read by a ValueCodec<T>).
 //
 // Roles. The process that creates the pair (the consumer) owns a control segment: one page
-// holding the completion's state word, the table of producer processes, and the completion
-// itself (an error, or a value's header and the name of its payload segment). The promise is
-// serialized ("dtorch-promise:1:file:<type>:<segment>:<nonce>") and shipped to producers; a
-// producer attaches on first use (not on deserialization: tracing, jit.load and export.load make
-// copies that never produce), registering its process in the table.
+// holding the completion's state word, the table of producer processes, the name of the value's
+// payload segment (chosen by the consumer), and the completion itself (an error, or a value's
+// header). The promise is serialized ("dtorch-promise:1:file:<type>:<segment>:<nonce>") and
+// shipped to producers; a producer attaches on first use (not on deserialization: tracing,
+// jit.load and export.load make copies that never produce), registering its process in the table.
 //
-// Completing. The state word goes pending -> claimed (by one producer, a compare-and-swap: fulfil
-// once, across processes) -> value or error. A value is copied, by the producer, into a payload
-// segment of its own (named for the consumer, so that the consumer's death reaps it), before the
-// state says "value". The consumer maps the payload, unlinks its name, and its value views the
-// mapping for as long as it lives.
+// Completing. The state word goes pending -> claimed (by one handle, a compare-and-swap: fulfil
+// once, across processes) -> value or error, the last step a compare-and-swap from that same
+// claim (the consumer may have failed the pair meanwhile). A value is copied, by the producer,
+// into the payload segment (named for the consumer, so that the consumer's death reaps it) before
+// the state says "value". The consumer maps the payload, unlinks its name, and its value views
+// the mapping for as long as it lives. A pair its consumer dropped is closed: a producer's set is
+// then a no-op.
 //
 // Waking. A thread blocked in Get()/WaitUntil() sleeps on a futex on the state word: the producer
 // wakes it directly (one hop). Callbacks and `await` are served by one doorbell watcher thread per
 // consumer process ("dtorch-doorbell"): producers ring the consumer's doorbell segment (a counter
 // and a futex). Nothing on the wake path is a lock: a killed producer cannot poison it. The robust
-// interprocess mutex of each control segment guards only the producer table.
+// interprocess mutex of each control segment guards only the producer table (a producer that
+// finds its owner dead fails the pair).
 //
-// Liveness (checked by the watcher, about every kLivenessPeriodMs). Once a producer has
-// registered, the future fails with "broken promise" when every registered producer has exited,
-// died (SIGKILL included: pid and start time, zombies count as dead) or dropped its handle without
+// Liveness (checked by the watcher every 250 ms). Processes are told apart by pid, start time and
+// pid namespace (a promise refuses producers of another pid namespace). Once a producer has
+// registered, the future fails with "broken promise" when every registered producer has exited
+// (and is gone), died (SIGKILL included; zombies count as dead) or dropped its handle without
 // setting; a producer that died after claiming fails it at once. A promise that never left its
 // process breaks when the creator drops it; one that did (serialized, or the process forked) and
 // whose creator dropped it fails with "no producer attached" after the attach deadline.
 //
 // Nothing left behind. Segments are created exclusively, mode 0600; the consumer unlinks the
-// control segment when the value is taken or the pair is gone, payloads when mapped (or when
-// dropped unread); at exit a process unlinks what it owns; what a killed process left is reaped
-// when the library next loads in a process of the same user.
+// control segment and the payload's name when the value is taken or the pair is gone (a payload
+// a producer was still writing then is unlinked once that producer is done or dead); a process's
+// doorbell goes 2 s after its last pending pair; at exit a process unlinks what it owns; what a
+// killed process left is reaped when the library next loads in a process of the same user and
+// pid namespace.
 //
 // Thread-safety: every method may be called from any thread.
 #pragma once
@@ -40,9 +46,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <unistd.h>
 #include <string>
 #include <string_view>
+
+#include <unistd.h>
 
 #include "promise_future.h"
 #include "shared_state.h"
