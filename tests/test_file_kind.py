@@ -480,3 +480,40 @@ def test_a_fork_started_child_leaves_nothing_in_dev_shm():
     child.join(30)
     assert child.exitcode == 0
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"dtorch_{child.pid}-")]
+
+
+def test_a_file_future_pending_at_exit_fails_and_leaves_nothing():
+    """At exit, as for device values: a later atexit handler's get() raises rather than hangs,
+    a thread blocked in get() does not stop the exit, and the process's segments are unlinked."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import atexit, os, threading
+        pending = {}
+
+        def flush():
+            try:
+                pending["value"].get()
+                print("flush: got a value")
+            except RuntimeError as e:
+                print(f"flush: {type(e).__name__}: {e}")
+
+        atexit.register(flush)
+        import dtorch_ops
+        promise = dtorch_ops.TensorPromise("file")
+        pending["value"] = promise.get_future()
+        promise.serialize()  # in flight: nobody breaks it at its creator's drop
+        other = dtorch_ops.TensorPromise("file")
+        blocked = other.get_future()
+        threading.Thread(target=blocked.get, daemon=True).start()
+        print("pid", os.getpid())
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "flush: DroppedAtExitError: dtorch: dropped at interpreter exit" in out, out
+    pid = int(out.split("pid ", 1)[1].split()[0])
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"dtorch_{pid}-")]

@@ -555,9 +555,18 @@ class ConsumerImpl final : public FileConsumer {
     return false;
   }
 
-  // At exit: this process will not take its value; leave nothing behind.
-  void UnlinkAtExit() {
-    if (InCreatorProcess()) UnlinkAll();
+  // At exit: a value still pending fails its waiters (as device values do), and nothing is
+  // left behind; producers that come later find the pair gone.
+  void StopAtExit() {
+    if (!InCreatorProcess()) return;
+    const uint32_t state = block()->state.load();
+    if (!IsDone(state)) {
+      Break(state, FutureErrc::kDroppedAtExit,
+            "the value was still pending when dtorch_ops stopped at process exit; wait for it "
+            "before the program exits, or in an atexit handler registered after dtorch_ops was "
+            "imported (those run before the library stops)");
+    }
+    UnlinkAll();
   }
 
  private:
@@ -964,7 +973,7 @@ void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept {
     state.orphans.clear();
     ReleaseDoorbellLocked(state);
   }
-  for (auto& consumer : consumers) consumer->UnlinkAtExit();
+  for (auto& consumer : consumers) consumer->StopAtExit();
   MarkFileProducersExited();
   // Leaked: a pending future may still be destroyed later in the exit, by another thread.
   new std::vector<std::shared_ptr<ConsumerImpl>>(std::move(consumers));

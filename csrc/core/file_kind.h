@@ -139,8 +139,9 @@ class FileConsumer {
   virtual PublishedValue Take() = 0;
 };
 
-// The library's exit: stops the watcher (by `deadline`), marks this process's producer entries
-// "exited", and unlinks every segment this process still owns.
+// The library's exit: stops the watcher (by `deadline`), fails this process's pending pairs with
+// "dropped at interpreter exit", marks its producer entries "exited", and unlinks every segment
+// it still owns.
 void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept;
 // This process will not use its promises any more (it exits): its producer entries say "exited"
 // (a consumer then reports "producer exited (pid N)" rather than "died"). Part of StopFileKind;

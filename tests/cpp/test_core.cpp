@@ -782,6 +782,9 @@ static void TestKindRegistry() {
 
 // Last: the library's threads cannot be used afterwards.
 static void TestStopAtExit() {
+  // A file pair still pending at exit fails like a device value, and leaves nothing behind.
+  FilePromise<int64_t> file_creator(std::make_shared<IntCodec>());
+  auto file_future = file_creator.GetFuture();
   auto& detectors = CompletionDetectors::Instance();
   auto& pool = CompletionPool::Instance();
   FakeDevice device;
@@ -825,6 +828,8 @@ static void TestStopAtExit() {
   }
   CHECK(refused);
   CHECK(WaitUntil([&] { return pool.ThreadCount() == 0; }));
+  CHECK(ErrorCodeOf([&] { file_future->Get(); }) == FutureErrc::kDroppedAtExit);
+  CHECK(OurSegments().empty());
   StopLibraryThreads();  // idempotent
   ++g_passed;
 }
