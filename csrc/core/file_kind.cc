@@ -21,7 +21,6 @@
 #include <boost/interprocess/sync/interprocess_mutex.hpp>
 #include <boost/interprocess/sync/scoped_lock.hpp>
 
-#include "fork_generation.h"
 #include "kind_registry.h"
 
 namespace dtorch::core {
