@@ -74,6 +74,9 @@ struct ProducerEntry {
   std::atomic<int32_t> pid;
   std::atomic<uint64_t> start_time;
   std::atomic<uint32_t> state;
+
+  // The registered process (of this pid namespace: attach refuses others).
+  shm::ProcessId Process() const { return shm::InThisNamespace(pid.load(), start_time.load()); }
 };
 
 struct FileControlBlock {
@@ -105,6 +108,15 @@ struct FileControlBlock {
   char header[kMaxValueHeaderBytes];
 };
 static_assert(sizeof(FileControlBlock) <= kSegmentBytes);
+
+namespace {
+// The producer entry whose process claimed the pair (`state` is its state word), or null: not
+// claimed, or claimed by the creator, the consumer or a lock breaker.
+const ProducerEntry* ClaimingProducer(const FileControlBlock* block, uint32_t state) {
+  if (Phase(state) != kClaimed || Claimant(state) >= kMaxProducers) return nullptr;
+  return &block->producers[Claimant(state)];
+}
+}  // namespace
 static_assert(std::atomic<uint32_t>::is_always_lock_free &&
               std::atomic<uint64_t>::is_always_lock_free);
 
@@ -329,6 +341,7 @@ ProcessState* process_state = new ProcessState();
 
 void EnsureWatcherLocked(ProcessState& state);
 void ReleaseDoorbellLocked(ProcessState& state);
+std::vector<std::shared_ptr<ConsumerImpl>> LiveConsumersLocked(ProcessState& state);
 void CheckOrphanPayloads(ProcessState& state,
                          const std::function<bool(const shm::ProcessId&)>& alive);
 void AdoptOrphanPayload(std::shared_ptr<shm::Segment> control, const std::string& payload);
@@ -371,7 +384,7 @@ class ConsumerImpl final : public FileConsumer {
     // Closed: a producer that attached already claims nothing now (and makes no payload).
     uint32_t state = State(kPending, 0);
     if (block()->state.compare_exchange_strong(state, State(kClaimed, kConsumerClaimant))) return;
-    if (Phase(state) == kClaimed && Claimant(state) < kMaxProducers) {
+    if (ClaimingProducer(block(), state)) {
       AdoptOrphanPayload(control_, payload_);  // a producer is writing it now
     }
   }
@@ -504,9 +517,8 @@ class ConsumerImpl final : public FileConsumer {
       return true;
     }
     if (!liveness) return false;
-    if (Phase(state) == kClaimed && Claimant(state) < kMaxProducers) {
-      auto& entry = b->producers[Claimant(state)];
-      const auto producer = shm::InThisNamespace(entry.pid.load(), entry.start_time.load());
+    if (const auto* claimer = ClaimingProducer(b, state)) {
+      const auto producer = claimer->Process();
       if (!alive(producer)) {
         Break(state, FutureErrc::kBrokenPromise,
               "producer died (pid " + std::to_string(producer.pid) + ") while setting the value");
@@ -521,7 +533,7 @@ class ConsumerImpl final : public FileConsumer {
       for (uint32_t i = 0; i < count; ++i) {
         auto& entry = b->producers[i];
         const uint32_t entry_state = entry.state.load();
-        const auto producer = shm::InThisNamespace(entry.pid.load(), entry.start_time.load());
+        const auto producer = entry.Process();
         // "Exited" is said at exit, when threads of the process may still set the value
         // (multiprocessing runs its finalizers before it joins them): live until it is gone.
         if (entry_state == kAttached || entry_state == kExited) {
@@ -652,16 +664,7 @@ void RunWatcher(ProcessState* state) {
     {
       std::lock_guard<std::mutex> lock(state->mu);
       if (state->stopping) break;
-      auto& list = state->consumers;
-      consumers.reserve(list.size());
-      list.erase(std::remove_if(list.begin(), list.end(),
-                                [&](const std::weak_ptr<ConsumerImpl>& weak) {
-                                  auto consumer = weak.lock();
-                                  if (!consumer) return true;
-                                  consumers.push_back(std::move(consumer));
-                                  return false;
-                                }),
-                 list.end());
+      consumers = LiveConsumersLocked(*state);
       const auto now = Clock::now();
       if (consumers.empty() && state->orphans.empty()) {
         if (now - idle_since >= kWatcherIdleExit) {
@@ -726,6 +729,23 @@ void RunWatcher(ProcessState* state) {
   state->watcher_exited.notify_all();
 }
 
+// The consumers still alive (the list forgets the others). Destroy the result outside mu: it may
+// hold the last reference to one, whose destructor takes mu.
+std::vector<std::shared_ptr<ConsumerImpl>> LiveConsumersLocked(ProcessState& state) {
+  std::vector<std::shared_ptr<ConsumerImpl>> live;
+  live.reserve(state.consumers.size());
+  auto& list = state.consumers;
+  list.erase(std::remove_if(list.begin(), list.end(),
+                            [&](const std::weak_ptr<ConsumerImpl>& weak) {
+                              auto consumer = weak.lock();
+                              if (!consumer) return true;
+                              live.push_back(std::move(consumer));
+                              return false;
+                            }),
+             list.end());
+  return live;
+}
+
 void ReleaseDoorbellLocked(ProcessState& state) {
   if (!state.doorbell) return;
   shm::Unlink(state.doorbell_name);
@@ -753,13 +773,10 @@ void CheckOrphanPayloads(ProcessState& state,
   std::vector<OrphanPayload> still_writing;
   for (auto& orphan : orphans) {
     auto* b = static_cast<FileControlBlock*>(orphan.control->data());
-    const uint32_t st = b->state.load();
-    if (Phase(st) == kClaimed && Claimant(st) < kMaxProducers) {
-      auto& entry = b->producers[Claimant(st)];
-      if (alive(shm::InThisNamespace(entry.pid.load(), entry.start_time.load()))) {
-        still_writing.push_back(std::move(orphan));
-        continue;
-      }
+    const auto* claimer = ClaimingProducer(b, b->state.load());
+    if (claimer && alive(claimer->Process())) {
+      still_writing.push_back(std::move(orphan));
+      continue;
     }
     shm::Unlink(orphan.payload);
   }
@@ -965,9 +982,7 @@ void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept {
     state.stopping = true;
     if (state.doorbell) Ring(AsDoorbell(state.doorbell));
     state.watcher_exited.wait_until(lock, deadline, [&] { return !state.watcher_running; });
-    for (auto& weak : state.consumers) {
-      if (auto consumer = weak.lock()) consumers.push_back(std::move(consumer));
-    }
+    consumers = LiveConsumersLocked(state);
     for (auto& orphan : state.orphans) shm::Unlink(orphan.payload);
     state.orphans.clear();
     ReleaseDoorbellLocked(state);
@@ -994,9 +1009,7 @@ void ReleaseIdleFileSegments() noexcept {
   ProcessState& state = *process_state;
   std::vector<std::shared_ptr<ConsumerImpl>> consumers;  // released outside mu
   std::lock_guard<std::mutex> lock(state.mu);
-  for (auto& weak : state.consumers) {
-    if (auto consumer = weak.lock()) consumers.push_back(std::move(consumer));
-  }
+  consumers = LiveConsumersLocked(state);
   const bool pending = std::any_of(consumers.begin(), consumers.end(),
                                    [](const auto& consumer) { return consumer->Pending(); });
   if (!pending && state.orphans.empty()) ReleaseDoorbellLocked(state);

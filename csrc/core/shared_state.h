@@ -69,9 +69,8 @@ class SharedState {
     bool wake;
     {
       auto lock = LockSurvivingFork(mu_);
-      if (complete_) return false;
+      if (CompleteLocked()) return false;
       result_.emplace(std::move(result));
-      complete_ = true;
       callbacks = TakeCallbacksLocked();
       wake = HasWaitersLocked();
     }
@@ -86,7 +85,7 @@ class SharedState {
     auto lock = LockSurvivingFork(mu_);
     ThrowIfRetrievedLocked();
     WaitingLocked waiting(*this);
-    cv_.wait(lock, [this] { return complete_; });
+    cv_.wait(lock, [this] { return CompleteLocked(); });
     ThrowIfRetrievedLocked();  // another waiter may have taken it while this one slept
     return TakeLocked();
   }
@@ -96,16 +95,16 @@ class SharedState {
   bool WaitUntil(std::chrono::steady_clock::time_point deadline) const {
     auto lock = LockSurvivingFork(mu_);
     ThrowIfRetrievedLocked();
-    if (complete_ || deadline <= std::chrono::steady_clock::now()) {
-      return complete_;  // a poll: no timed wait (a syscall) at all
+    if (CompleteLocked() || deadline <= std::chrono::steady_clock::now()) {
+      return CompleteLocked();  // a poll: no timed wait (a syscall) at all
     }
     WaitingLocked waiting(*this);
-    return cv_.wait_until(lock, deadline, [this] { return complete_; });
+    return cv_.wait_until(lock, deadline, [this] { return CompleteLocked(); });
   }
 
   bool IsReady() const {
     auto lock = LockSurvivingFork(mu_);
-    return complete_ && !retrieved_;
+    return result_.has_value();  // (taken: retrieved, no longer ready)
   }
 
   bool Valid() const {
@@ -118,7 +117,7 @@ class SharedState {
     auto node = std::make_unique<CallbackNode>(CallbackNode{std::move(callback), nullptr});
     {
       auto lock = LockSurvivingFork(mu_);
-      if (!complete_) {
+      if (!CompleteLocked()) {
         *callbacks_tail_ = node.get();
         callbacks_tail_ = &node.release()->next;
         return;
@@ -130,6 +129,9 @@ class SharedState {
   ~SharedState() { RunCallbacks(TakeCallbacksLocked(), /*run=*/false); }
 
  private:
+  // A result was set (and is still here, or was taken).
+  bool CompleteLocked() const { return result_.has_value() || retrieved_; }
+
   void ThrowIfRetrievedLocked() const {
     if (retrieved_) {
       throw FutureError(FutureErrc::kNoState,
@@ -208,7 +210,6 @@ class SharedState {
   mutable std::condition_variable cv_;    // re-initialised after fork: ForgetOtherGenerationsLocked
   mutable int waiters_ = 0;                // guarded by mu_: threads waiting on cv_
   mutable uint64_t cv_generation_ = ForkGeneration();  // guarded by mu_: waiters_' generation
-  bool complete_ = false;                  // guarded by mu_
   bool retrieved_ = false;                 // guarded by mu_
   std::optional<Result<T>> result_;        // guarded by mu_: set once, reset when taken
   CallbackNode* callbacks_head_ = nullptr;              // guarded by mu_

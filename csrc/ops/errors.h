@@ -39,6 +39,13 @@ class CodedError final : public Base, public CodedErrorBase {
   ThrowCoded(error.code(), error.what());
 }
 
+// A wait of `timeout_ms` (as the caller wrote it) that ended before the value arrived.
+inline core::FutureError TimedOut(const std::string& timeout_ms) {
+  return core::FutureError(core::FutureErrc::kTimeout,
+                           "the value was not ready within " + timeout_ms +
+                               " ms; the future is still valid, wait again");
+}
+
 // The code of a c10::Error, if it carries one.
 inline const CodedErrorBase* CodeOf(const c10::Error& error) {
   return dynamic_cast<const CodedErrorBase*>(&error);

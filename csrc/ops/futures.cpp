@@ -44,9 +44,7 @@ auto TranslateErrors(Fn&& fn) -> decltype(fn()) {
 }
 
 [[noreturn]] void ThrowTimeout(int64_t timeout_ms) {
-  ThrowCoded(core::FutureError(core::FutureErrc::kTimeout,
-                               "the value was not ready within " + std::to_string(timeout_ms) +
-                                   " ms; the future is still valid, wait again"));
+  ThrowCoded(TimedOut(std::to_string(timeout_ms)));
 }
 
 void CheckTimeout(int64_t timeout_ms) {
@@ -284,8 +282,7 @@ void VoidFutureCollect::Wait(int64_t timeout_ms) {
 bool VoidFutureCollect::WaitFor(int64_t timeout_ms) const {
   CheckTimeout(timeout_ms);
   if (consumed_) ThrowConsumedCollect();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(
-      std::min<int64_t>(timeout_ms, core::kMaxTimeoutMs));
+  const auto deadline = DeadlineIn(timeout_ms);
   for (const auto& future : futures_) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());

@@ -3,10 +3,12 @@
 #include <cstring>
 #include <vector>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 
 #include "../core/future_error.h"
 
@@ -39,15 +41,9 @@ int64_t WireCode(c10::ScalarType dtype) {
 }
 
 // The strides the payload keeps: the tensor's own when its elements are dense, else contiguous.
-std::vector<int64_t> PayloadStrides(const at::Tensor& value) {
-  if (value.is_non_overlapping_and_dense()) return value.strides().vec();
-  std::vector<int64_t> strides(value.dim());
-  int64_t stride = 1;
-  for (int64_t d = value.dim() - 1; d >= 0; --d) {
-    strides[d] = stride;
-    stride *= std::max<int64_t>(value.size(d), 1);
-  }
-  return strides;
+c10::DimVector PayloadStrides(const at::Tensor& value) {
+  if (value.is_non_overlapping_and_dense()) return c10::DimVector(value.strides());
+  return c10::contiguous_strides(value.sizes());
 }
 
 [[noreturn]] void Corrupt(const std::string& why) {
@@ -107,9 +103,7 @@ at::Tensor TensorCodec::Read(std::string_view header, void* payload, size_t payl
   std::memcpy(sizes.data(), header.data() + 8, 8 * ndim);
   std::memcpy(strides.data(), header.data() + 8 + 8 * ndim, 8 * ndim);
   const auto dtype = kWireDtypes[code];
-  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-  // The extent of the elements, overflow-checked: (max offset + 1) * item must fit the payload.
-  int64_t numel = 1, max_offset = 0;
+  int64_t numel = 1;
   for (uint32_t d = 0; d < ndim; ++d) {
     if (sizes[d] < 0 || strides[d] < 0) Corrupt("has a negative size or stride");
     if (__builtin_mul_overflow(numel, sizes[d], &numel)) Corrupt("has too many elements");
@@ -119,19 +113,13 @@ at::Tensor TensorCodec::Read(std::string_view header, void* payload, size_t payl
     if (payload_bytes != 0) Corrupt("is empty but has a payload");
     return at::empty_strided(sizes, strides, options);
   }
-  for (uint32_t d = 0; d < ndim; ++d) {
-    int64_t reach = 0;
-    if (__builtin_mul_overflow(sizes[d] - 1, strides[d], &reach) ||
-        __builtin_add_overflow(max_offset, reach, &max_offset)) {
-      Corrupt("has strides that overflow");
-    }
+  size_t needed = 0;  // the bytes its elements span (overflow-checked by torch)
+  try {
+    needed = at::detail::computeStorageNbytes(sizes, strides, c10::elementSize(dtype));
+  } catch (const c10::Error&) {
+    Corrupt("has strides that overflow");
   }
-  int64_t needed = 0;
-  if (__builtin_add_overflow(max_offset, 1, &needed) ||
-      __builtin_mul_overflow(needed, item, &needed) ||
-      static_cast<uint64_t>(needed) > payload_bytes || payload == nullptr) {
-    Corrupt("does not fit its payload");
-  }
+  if (needed > payload_bytes || payload == nullptr) Corrupt("does not fit its payload");
   return at::from_blob(
       payload, sizes, strides, [keep_alive = std::move(keep_alive)](void*) mutable {
         keep_alive.reset();

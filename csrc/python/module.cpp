@@ -80,10 +80,8 @@ PyObject* ExceptionClass(core::FutureErrc code) {
 }
 
 [[noreturn]] void RaiseTimeout(py::handle timeout) {
-  const std::string message = "dtorch: timed out: the value was not ready within " +
-                              py::str(timeout).cast<std::string>() +
-                              " ms; the future is still valid, wait again";
-  PyErr_SetString(ExceptionClass(core::FutureErrc::kTimeout), message.c_str());
+  PyErr_SetString(ExceptionClass(core::FutureErrc::kTimeout),
+                  TimedOut(py::str(timeout).cast<std::string>()).what());
   throw py::error_already_set();
 }
 

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <dirent.h>
@@ -50,15 +51,21 @@ static bool WaitMs(const FutureBackend<T>& future, int64_t ms) {
   return future.WaitUntil(std::chrono::steady_clock::now() + std::chrono::milliseconds(ms));
 }
 
+// The FutureError fn() throws (the test fails if it throws none).
 template <typename Fn>
-static FutureErrc ErrorCodeOf(Fn&& fn) {
+static FutureError ErrorOf(Fn&& fn) {
   try {
     fn();
   } catch (const FutureError& e) {
-    return e.code();
+    return e;
   }
   std::fprintf(stderr, "expected a FutureError\n");
   std::exit(1);
+}
+
+template <typename Fn>
+static FutureErrc ErrorCodeOf(Fn&& fn) {
+  return ErrorOf(std::forward<Fn>(fn)).code();
 }
 
 static void TestValueAndConsume() {
@@ -93,13 +100,9 @@ static void TestExceptionAndBrokenPromise() {
     MemoryPromise<int> promise;
     auto future = promise.GetFuture();
     promise.SetError(FutureErrc::kProducerError, "disk on fire");
-    try {
-      future->Get();
-      CHECK(false);
-    } catch (const FutureError& e) {
-      CHECK(e.code() == FutureErrc::kProducerError && e.detail() == "disk on fire");
-      CHECK(std::string(e.what()) == "dtorch: producer error: disk on fire");
-    }
+    const auto e = ErrorOf([&] { future->Get(); });
+    CHECK(e.code() == FutureErrc::kProducerError && e.detail() == "disk on fire");
+    CHECK(std::string(e.what()) == "dtorch: producer error: disk on fire");
     CHECK(!future->Valid());
   }
   std::unique_ptr<FutureBackend<int>> orphan;
@@ -652,12 +655,8 @@ static void TestFileKindInProcess() {
     FilePromise<int64_t> creator(codec);
     auto future = creator.GetFuture();
     creator.SetError(FutureErrc::kDeviceError, "it broke");
-    try {
-      future->Get();
-      CHECK(false);
-    } catch (const FutureError& e) {
-      CHECK(e.code() == FutureErrc::kDeviceError && e.detail() == "it broke");
-    }
+    const auto e = ErrorOf([&] { future->Get(); });
+    CHECK(e.code() == FutureErrc::kDeviceError && e.detail() == "it broke");
   }
   {  // a promise that never left the process breaks when the creator drops it
     auto creator = std::make_unique<FilePromise<int64_t>>(codec);
@@ -736,14 +735,10 @@ static void TestFileKindProducerProcesses() {
     const auto start = std::chrono::steady_clock::now();
     CHECK(WaitMs(*future, 10'000));
     CHECK(std::chrono::steady_clock::now() - start < 3s);
-    try {
-      future->Get();
-      CHECK(false);
-    } catch (const FutureError& e) {
-      CHECK(e.code() == FutureErrc::kBrokenPromise);
-      CHECK(e.detail().find("producer died (pid " + std::to_string(child) + ")") !=
-            std::string::npos);
-    }
+    const auto e = ErrorOf([&] { future->Get(); });
+    CHECK(e.code() == FutureErrc::kBrokenPromise);
+    CHECK(e.detail().find("producer died (pid " + std::to_string(child) + ")") !=
+          std::string::npos);
     waitpid(child, nullptr, 0);
   }
   ++g_passed;
