@@ -71,10 +71,16 @@ class Config:
         "File promises: how long a promise in flight (serialized, pickled, or inherited by a "
         "forked child) whose creator dropped its handle waits for a producer process to attach "
         "before its future fails with 'no producer attached' (default 30.0).")
+    file_payload_idle_s = _LibrarySetting(
+        _C.payload_idle_ms, _C.set_payload_idle_ms, float, 1000,
+        "File promises: a producer writes each value into a shared-memory segment that it and "
+        "the consumer keep mapped for the next value of that size; how long such a segment, "
+        "unused, is kept before both processes release it (default 5.0).")
 
     def __repr__(self):
         names = ("per_device_per_process", "max_detector_threads", "detector_idle_exit_s",
-                 "pool_threads", "exit_timeout_s", "attach_timeout_s")
+                 "pool_threads", "exit_timeout_s", "attach_timeout_s",
+                 "file_payload_idle_s")
         return "dtorch_ops.Config(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 
 

@@ -166,6 +166,89 @@ def produce_large_in_sequence(handles: list, numel: int, conn) -> None:
     linger()
 
 
+def payload_mappings(maps_lines) -> int:
+    """Mappings of payload segments among the lines of a /proc/<pid>/maps: those of dtorch
+    segments larger than one page (control segments and doorbells are one page; a payload
+    segment has at least one page of data and its trailer page)."""
+    count = 0
+    for line in maps_lines:
+        if "/dev/shm/dtorch_" in line:
+            start, end = (int(address, 16) for address in line.split()[0].split("-"))
+            count += end - start > 4096
+    return count
+
+
+def _payload_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return payload_mappings(maps)
+
+
+def serve_values(conn) -> None:
+    """A persistent producer for test_file_payloads.py, driven over `conn`:
+    ("set", [(handle, numel, fill), ...]): sets each promise to full((numel,), fill) with
+        get_tensor, in order, then replies ("done", count);
+    ("set_reporting", [...]): the same, replying ("start", i) before each set (its value made
+        already) and ("set", i, seconds the set took) after it;
+    ("kept",): replies (kept_file_payloads(), library_threads(), dtorch mappings);
+    ("idle", seconds): sets config.file_payload_idle_s, replies "ok";
+    None: returns."""
+    die_with_parent()
+    import torch
+
+    import dtorch_ops
+
+    # One thread: the parent may have used OpenMP's pool, which a forked child cannot (it hangs).
+    torch.set_num_threads(1)
+    while True:
+        if not conn.poll(CHILD_LIFETIME_S):
+            os._exit(3)
+        request = conn.recv()
+        if request is None:
+            return
+        if request[0] in ("set", "set_reporting"):
+            reporting = request[0] == "set_reporting"
+            for i, (handle, numel, fill) in enumerate(request[1]):
+                promise = dtorch_ops.TensorPromise.from_serialized(handle)
+                value = torch.full((numel,), float(fill))
+                if reporting:
+                    conn.send(("start", i))
+                started = time.monotonic()
+                dtorch_ops.get_tensor(value, promise)
+                if reporting:
+                    conn.send(("set", i, time.monotonic() - started))
+                del promise, value
+            if not reporting:
+                conn.send(("done", len(request[1])))
+        elif request[0] == "kept":
+            conn.send((dtorch_ops._C.kept_file_payloads(), dtorch_ops.library_threads(),
+                       _payload_mappings()))
+        elif request[0] == "idle":
+            dtorch_ops.config.file_payload_idle_s = request[1]
+            conn.send("ok")
+
+
+def report_mappings_and_sum(value, conn) -> None:
+    """(fork context) Reports this child's dtorch mappings and the sum of `value`, inherited."""
+    die_with_parent()
+    import torch
+
+    torch.set_num_threads(1)  # (a forked child cannot use the parent's OpenMP pool: it hangs)
+    conn.send((_payload_mappings(), float(value.double().sum())))
+
+
+def consumer_taking_one_value(conn) -> None:
+    """A consumer: creates a tensor file pair, sends its serialized promise, takes the value the
+    test sets (and drops it), replies its sum, then waits to be killed."""
+    die_with_parent()
+    import dtorch_ops
+
+    promise = dtorch_ops.TensorPromise(kind="file")
+    future = promise.get_future()
+    conn.send(promise.serialize())
+    conn.send(float(future.wait(60_000).sum()))
+    linger()
+
+
 def consumer_with_pairs(tensor_pairs: int, conn) -> None:
     """A consumer: creates `tensor_pairs` tensor file pairs and one void pair, keeps promises and
     futures, sends their serialized promises to the test, and waits to be killed."""

@@ -587,18 +587,28 @@ def test_segments_are_private_to_the_user(producer):
 def test_segments_are_0600_whatever_the_umask(umask):
     """Mode 0600 exactly: not widened by a permissive umask, not narrowed (to read-only, which
     the producer's open would refuse) by a strict one."""
+    # Payload segments kept for reuse released first: the value gets a new one.
+    saved_idle = dtorch_ops.config.file_payload_idle_s
+    dtorch_ops.config.file_payload_idle_s = 0.0
+    try:
+        assert wait_until(lambda: dtorch_ops._C.kept_file_payloads()["produced"] == 0, 5.0)
+    finally:
+        dtorch_ops.config.file_payload_idle_s = saved_idle
     before = shm_names()
     old = os.umask(umask)
     try:
         promise, future = file_pair()
-        dtorch_ops.TensorPromise.from_serialized(promise.serialize()).set_value(torch.arange(8.0))
+        value = torch.arange(1000, dtype=torch.float32)  # (a new payload segment: named until
+                                                         # the consumer receives it)
+        dtorch_ops.TensorPromise.from_serialized(promise.serialize()).set_value(value)
     finally:
         os.umask(old)
-    made = names_owned_by({os.getpid()}, shm_names() - before)
+    doorbell = {dtorch_ops._C.file_doorbell_segment()}  # (made now if there was none)
+    made = names_owned_by({os.getpid()}, shm_names() - before - doorbell)
     assert len(made) == 2, sorted(made)  # the control segment and the payload
     for name in made:
         assert_private_segment(name)
-    assert future.wait(WAIT_MS).tolist() == list(range(8))
+    assert torch.equal(future.wait(WAIT_MS), value)
 
 
 # ---- 8. untrusted serialized promises ----------------------------------------------------------

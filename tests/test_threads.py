@@ -31,9 +31,10 @@ def sim():
 def settings():
     """Restores dtorch_ops.config's thread settings after the test."""
     config = dtorch_ops.config
-    saved = (config.max_detector_threads, config.detector_idle_exit_s)
+    saved = (config.max_detector_threads, config.detector_idle_exit_s, config.file_payload_idle_s)
     yield config
-    config.max_detector_threads, config.detector_idle_exit_s = saved
+    (config.max_detector_threads, config.detector_idle_exit_s,
+     config.file_payload_idle_s) = saved
 
 
 @pytest.fixture(params=[True, False], ids=["blocking-wait", "polling"])
@@ -164,6 +165,7 @@ def test_a_submission_wakes_only_the_detector_it_goes_to(sim, settings):
 
 def test_idle_detectors_exit(sim, settings):
     settings.detector_idle_exit_s = 0.1
+    settings.file_payload_idle_s = 0.1  # (payload segments earlier tests kept: the watcher's)
     streams = _held_streams(sim, 3)
     futures = _values_on(sim, streams, per_stream=1)
     assert detector_threads() >= 3
@@ -172,7 +174,9 @@ def test_idle_detectors_exit(sim, settings):
     for fs in futures.values():
         fs[0][0].wait(WAIT_MS)
     assert _wait_until(lambda: detector_threads() == 0, timeout_s=5), "idle detectors stayed"
-    assert dtorch_ops.library_threads() == {"detectors": 0, "pool": 0, "doorbell": 0}
+    # (The watcher also goes once no file pair is pending and the kept payloads were released.)
+    assert _wait_until(lambda: dtorch_ops.library_threads() == {
+        "detectors": 0, "pool": 0, "doorbell": 0}, timeout_s=5), dtorch_ops.library_threads()
     # A later value starts a detector again.
     assert torch.equal(dtorch_ops.to_torch(torch.ones(2, device="simdev") * 3).cpu(),
                        torch.full((2,), 3.0))

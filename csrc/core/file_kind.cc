@@ -22,6 +22,7 @@
 #include <boost/interprocess/sync/scoped_lock.hpp>
 
 #include "kind_registry.h"
+#include "payload_pool.h"
 
 namespace dtorch::core {
 namespace bip = boost::interprocess;
@@ -32,7 +33,7 @@ using std::chrono::milliseconds;
 
 constexpr uint64_t kControlMagic = 0x3170666863726f74ULL;  // "torchfp1" (little-endian)
 constexpr uint64_t kDoorbellMagic = 0x3162646863726f74ULL;  // "torchdb1"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 constexpr size_t kSegmentBytes = 4096;  // a control segment and a doorbell: one page each
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kTypeNameBytes = 16;
@@ -53,7 +54,8 @@ bool IsDone(uint32_t state) { return Phase(state) == kValue || Phase(state) == k
 // flags
 constexpr uint32_t kLeftProcess = 1;     // serialized (or the creator forked)
 constexpr uint32_t kCreatorDropped = 2;  // the creator's promise handle is gone
-constexpr uint32_t kConsumerGone = 4;    // the pair is gone: a payload published now is unlinked
+constexpr uint32_t kConsumerGone = 4;    // the pair is gone: a payload published now is withdrawn
+constexpr uint32_t kWantsRing = 8;       // callbacks wait: a completion rings the doorbell
 
 // A producer entry's state.
 constexpr uint32_t kAttached = 1, kDropped = 2, kExited = 3;
@@ -102,7 +104,8 @@ struct FileControlBlock {
   uint32_t error_code;
   uint32_t detail_bytes;
   char detail[kMaxDetailBytes];
-  char payload[kNameField];  // written before the payload segment is created
+  char payload[kNameField];  // the payload segment (payload_pool.h), written before it is used
+  uint64_t payload_sequence;  // the value's number in that segment
   uint64_t payload_bytes;
   uint32_t header_bytes;
   char header[kMaxValueHeaderBytes];
@@ -143,6 +146,23 @@ void WriteName(char (&field)[kNameField], const std::string& name) {
   std::memcpy(field, name.data(), std::min(name.size(), kNameField - 1));
 }
 
+// The payload segment's name a producer wrote into the block, checked (it must be named for this
+// process, the consumer: a producer's names for it are): "" when there is none or it is not.
+std::string PayloadNameIn(const FileControlBlock* block) {
+  const std::string name = ReadName(block->payload);
+  shm::ProcessId owner;
+  if (!shm::ParseSegmentName(name, &owner) || !(owner == shm::Self())) return {};
+  return name;
+}
+
+// The pair's producer died before publishing: what it was writing goes.
+void DiscardPayloadOfDeadProducer(const FileControlBlock* block) {
+  const std::string name = PayloadNameIn(block);
+  if (name.empty()) return;
+  shm::Unlink(name);  // (a new segment, still named)
+  payload::Discard(name);  // (one this process mapped already)
+}
+
 bool ParseHex(std::string_view hex, unsigned char* out, size_t bytes) {
   if (hex.size() != 2 * bytes) return false;
   const auto digit = [](char c) -> int {
@@ -168,6 +188,9 @@ FutureError InvalidSegment(const std::string& name, const std::string& why) {
   return FutureError(FutureErrc::kInvalidHandle,
                      "/dev/shm/" + name + " is not the promise this handle names (" + why + ")");
 }
+
+// Runs the watcher while this process keeps payload segments (it releases them when idle).
+void WatchKeptPayloads();
 
 // ---------------------------------------------------------------------------------------------
 // Completing: what the creator's handle and a producer's attachment share.
@@ -205,40 +228,36 @@ class ChannelBase : public FileChannel {
     if (header.size() > kMaxValueHeaderBytes) {
       throw fail(FutureError(FutureErrc::kInvalidHandle, "the value's header does not fit"));
     }
-    std::string name;
+    std::unique_ptr<payload::Lease> lease;
     if (payload_bytes > 0) {
-      // The name the consumer chose (named for it: its death reaps it); checked, since another
-      // process wrote it.
-      name = ReadName(b->payload);
-      shm::ProcessId owner;
-      if (!shm::ParseSegmentName(name, &owner) || owner.pid != b->creator_pid ||
-          owner.start_time != b->creator_start) {
-        throw fail(FutureError(FutureErrc::kInvalidHandle, "the promise's payload name is corrupt"));
-      }
       try {
-        auto payload = shm::Segment::Create(name, payload_bytes);
-        write(payload->data());
+        // The name goes into the block before a new segment exists: if this process dies
+        // before publishing, the consumer unlinks it.
+        lease = payload::Acquire(shm::InThisNamespace(b->creator_pid, b->creator_start),
+                                 payload_bytes,
+                                 [&](const std::string& name) { WriteName(b->payload, name); });
+        WriteName(b->payload, lease->name());
+        write(lease->data());
       } catch (const FutureError& e) {
-        shm::Unlink(name);
         throw fail(e);
       } catch (const std::exception& e) {
-        shm::Unlink(name);
         fail(FutureError(FutureErrc::kProducerError,
                          std::string("writing the value failed: ") + e.what()));
         throw;
       }
+      b->payload_sequence = lease->sequence();
+      lease->MarkPublished();
+      WatchKeptPayloads();
     }
     b->payload_bytes = payload_bytes;
     b->header_bytes = static_cast<uint32_t>(header.size());
     std::memcpy(b->header, header.data(), header.size());
-    // Not published (the consumer broke the pair meanwhile), the pair went away, or its consumer
-    // died: nobody will map the payload. (Dekker with the consumer's destructor, which sets
-    // kConsumerGone and then unlinks; a dead consumer's payload is otherwise reaped by name.)
+    // Not published (the consumer broke the pair meanwhile) or the pair went away: nobody will
+    // receive the payload. (Dekker with the consumer's destructor, which sets kConsumerGone and
+    // then receives what was published; the lease settles the race. A consumer that died is
+    // the watcher's: payload::Sweep.)
     const bool published = Finish(kValue);
-    if (!name.empty() && (!published || (b->flags.load() & kConsumerGone) ||
-                          (kill(b->creator_pid, 0) != 0 && errno == ESRCH))) {
-      shm::Unlink(name);
-    }
+    if (lease && (!published || (b->flags.load() & kConsumerGone))) lease->Withdraw();
   }
 
   void PublishError(const ErrorInfo& error) noexcept override {
@@ -272,7 +291,7 @@ class ChannelBase : public FileChannel {
     // seq_cst: pairs with the waiters' count.
     if (!b->state.compare_exchange_strong(claimed, State(phase, claimant_))) return false;
     if (b->waiters.load() != 0) shm::FutexWakeAll(&b->state);
-    Ring(doorbell());
+    if (b->flags.load() & kWantsRing) Ring(doorbell());  // (the watcher checks the rest)
     return true;
   }
 
@@ -286,15 +305,18 @@ class ProducerAttachment final : public ChannelBase {
  public:
   ProducerAttachment(std::shared_ptr<shm::Segment> control, uint32_t slot,
                      std::shared_ptr<shm::Segment> doorbell)
-      : ChannelBase(std::move(control), slot, std::move(doorbell)), slot_(slot), pid_(getpid()) {}
+      : ChannelBase(std::move(control), slot, std::move(doorbell)), slot_(slot), pid_(shm::CurrentPid()) {}
 
   ~ProducerAttachment() override { Leave(kDropped); }
 
   // This process no longer produces: its handles are gone (kDropped) or it exits (kExited).
   void Leave(uint32_t why) noexcept {
-    if (getpid() != pid_) return;  // a forked child's copy: the entry is the parent's
+    if (shm::CurrentPid() != pid_) return;  // a forked child's copy: the entry is the parent's
     uint32_t attached = kAttached;
-    if (block()->producers[slot_].state.compare_exchange_strong(attached, why)) Ring(doorbell());
+    if (block()->producers[slot_].state.compare_exchange_strong(attached, why) &&
+        !IsDone(block()->state.load())) {
+      Ring(doorbell());  // (the pair may have lost its last producer: tell the watcher now)
+    }
   }
 
  private:
@@ -311,12 +333,11 @@ std::atomic<int64_t> attach_timeout_ms{kDefaultAttachTimeoutMs};
 // child without being serialized.
 std::atomic<uint64_t> forks_in_parent{0};
 
-// A payload a producer may still be writing for a pair whose consumer is gone: unlinked once the
-// producer died or finished (a producer that finishes unlinks it itself; one killed mid-copy
-// cannot, and the name, the live consumer's, would not be reaped).
+// A pair whose consumer is gone while a producer may still be writing its payload: settled once
+// the producer finished (it withdraws the payload itself) or died (its payload, named for this
+// live process, would not be reaped: unlinked here).
 struct OrphanPayload {
   std::shared_ptr<shm::Segment> control;
-  std::string payload;
 };
 
 struct ProcessState {
@@ -329,11 +350,19 @@ struct ProcessState {
   std::string doorbell_name;
   bool watcher_running = false;
   bool stopping = false;
+  // Wakes a watcher that has no doorbell (the process keeps payloads but has no pending pair).
+  std::atomic<uint32_t> wake{0};
   // This process's producer attachments, by control segment.
   std::map<std::string, std::weak_ptr<ProducerAttachment>> attachments;
   size_t attachments_after_sweep = 0;
-  // Consumers' doorbells mapped here as a producer, by name.
-  std::map<std::string, std::weak_ptr<shm::Segment>> doorbells;
+  // Consumers' doorbells mapped here as a producer, by name: kept while used and for the
+  // payload idle time after (a producer serving one promise after another would map and unmap
+  // its consumer's doorbell for each).
+  struct MappedDoorbell {
+    std::shared_ptr<shm::Segment> segment;
+    Clock::time_point last_used;
+  };
+  std::map<std::string, MappedDoorbell> doorbells;
 };
 
 // Replaced (the old one leaked) in a fork child: its mutex may be held by a thread of the parent.
@@ -344,7 +373,7 @@ void ReleaseDoorbellLocked(ProcessState& state);
 std::vector<std::shared_ptr<ConsumerImpl>> LiveConsumersLocked(ProcessState& state);
 void CheckOrphanPayloads(ProcessState& state,
                          const std::function<bool(const shm::ProcessId&)>& alive);
-void AdoptOrphanPayload(std::shared_ptr<shm::Segment> control, const std::string& payload);
+void AdoptOrphanPayload(std::shared_ptr<shm::Segment> control);
 
 DoorbellBlock* AsDoorbell(const std::shared_ptr<shm::Segment>& segment) {
   return static_cast<DoorbellBlock*>(segment->data());
@@ -369,13 +398,12 @@ std::shared_ptr<shm::Segment> OwnDoorbellLocked(ProcessState& state) {
 
 class ConsumerImpl final : public FileConsumer {
  public:
-  ConsumerImpl(std::shared_ptr<shm::Segment> control, FileHandle handle, std::string payload,
+  ConsumerImpl(std::shared_ptr<shm::Segment> control, FileHandle handle,
                std::shared_ptr<shm::Segment> doorbell)
       : control_(std::move(control)),
         handle_(std::move(handle)),
-        payload_(std::move(payload)),
         doorbell_(std::move(doorbell)),
-        creator_pid_(getpid()),
+        creator_pid_(shm::CurrentPid()),
         forks_at_creation_(forks_in_parent.load()) {}
 
   ~ConsumerImpl() override {
@@ -385,14 +413,20 @@ class ConsumerImpl final : public FileConsumer {
     uint32_t state = State(kPending, 0);
     if (block()->state.compare_exchange_strong(state, State(kClaimed, kConsumerClaimant))) return;
     if (ClaimingProducer(block(), state)) {
-      AdoptOrphanPayload(control_, payload_);  // a producer is writing it now
+      AdoptOrphanPayload(control_);  // a producer is writing it now
+    } else if (Phase(state) == kValue && !retrieved_) {
+      // Published, never taken: received and dropped, so that its segment is free again.
+      try {
+        ReceivePayload();
+      } catch (...) {
+      }
     }
   }
 
   bool Pending() const { return !IsDone(block()->state.load()); }
 
   const FileHandle& handle() const override { return handle_; }
-  bool InCreatorProcess() const override { return getpid() == creator_pid_; }
+  bool InCreatorProcess() const override { return shm::CurrentPid() == creator_pid_; }
 
   std::shared_ptr<FileChannel> CreatorChannel() override {
     return std::make_shared<ChannelBase>(control_, kCreatorClaimant, doorbell_);
@@ -454,6 +488,8 @@ class ConsumerImpl final : public FileConsumer {
       return;
     }
     has_callbacks_ = true;
+    block()->flags.fetch_or(kWantsRing);  // (seq_cst: a producer finishing now sees it, or we
+                                          // see its completion below)
     ready_->OnReady(std::move(callback));
     if (IsDone(block()->state.load())) NotifyReady();
   }
@@ -474,31 +510,18 @@ class ConsumerImpl final : public FileConsumer {
     }
     PublishedValue value;
     const size_t header_bytes = b->header_bytes;
-    const size_t payload_bytes = b->payload_bytes;
     if (header_bytes > kMaxValueHeaderBytes) {
       UnlinkAll();
       throw FutureError(FutureErrc::kInvalidHandle, "the published value's header is corrupt");
     }
     value.header.assign(b->header, header_bytes);
-    if (payload_bytes > 0) {
-      std::unique_ptr<shm::Segment> segment;
-      try {
-        segment = shm::Segment::Open(payload_, payload_bytes);
-      } catch (...) {
-        UnlinkAll();
-        throw;
-      }
-      UnlinkAll();  // mapped: the names are no longer needed
-      if (!segment) {
-        throw FutureError(FutureErrc::kSharedMemory,
-                          "the value's payload segment /dev/shm/" + payload_ + " is gone");
-      }
-      value.payload = segment->data();
-      value.payload_bytes = payload_bytes;
-      value.keep_alive = std::shared_ptr<shm::Segment>(std::move(segment));
-    } else {
+    try {
+      std::tie(value.payload, value.payload_bytes, value.keep_alive) = ReceivePayload();
+    } catch (...) {
       UnlinkAll();
+      throw;
     }
+    UnlinkAll();  // (after receiving: a producer that sees kConsumerGone then withdraws nothing)
     return value;
   }
 
@@ -576,6 +599,13 @@ class ConsumerImpl final : public FileConsumer {
             "the value was still pending when dtorch_ops stopped at process exit; wait for it "
             "before the program exits, or in an atexit handler registered after dtorch_ops was "
             "imported (those run before the library stops)");
+    } else if (Phase(state) == kValue) {
+      bool taken;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        taken = retrieved_;
+      }
+      if (!taken) shm::Unlink(PayloadNameIn(block()));  // (named still, if it is a new segment)
     }
     UnlinkAll();
   }
@@ -617,23 +647,36 @@ class ConsumerImpl final : public FileConsumer {
   void Break(uint32_t expected, FutureErrc code, const std::string& detail) {
     auto* b = block();
     if (!b->state.compare_exchange_strong(expected, State(kClaimed, kConsumerClaimant))) return;
-    if (Phase(expected) == kClaimed) shm::Unlink(payload_);  // its producer died writing it
+    if (Phase(expected) == kClaimed) DiscardPayloadOfDeadProducer(b);
     ChannelBase(control_, kConsumerClaimant, doorbell_).PublishError({code, detail});
     NotifyReady();
   }
 
-  // Once the value is taken (or can no longer be): the control segment and the payload go. A
-  // producer still publishing sees kConsumerGone afterwards and unlinks its payload itself.
+  // The payload of the published value: received (mapped, on first receipt, and its name
+  // unlinked). Null for a value without one.
+  std::tuple<void*, size_t, std::shared_ptr<void>> ReceivePayload() const {
+    auto* b = block();
+    const size_t payload_bytes = b->payload_bytes;
+    if (payload_bytes == 0) return {nullptr, 0, nullptr};
+    const std::string name = PayloadNameIn(b);
+    if (name.empty()) {
+      throw FutureError(FutureErrc::kInvalidHandle, "the published payload's name is corrupt");
+    }
+    auto received = payload::Receive(name, b->payload_sequence, payload_bytes);
+    WatchKeptPayloads();
+    return {received.data, payload_bytes, std::move(received.keep_alive)};
+  }
+
+  // Once the value is taken (or can no longer be): the control segment goes. A producer still
+  // publishing sees kConsumerGone afterwards and withdraws its payload itself.
   void UnlinkAll() {
     if (unlinked_.exchange(true)) return;
     block()->flags.fetch_or(kConsumerGone);
-    shm::Unlink(payload_);
     shm::Unlink(handle_.segment);
   }
 
   const std::shared_ptr<shm::Segment> control_;
   const FileHandle handle_;
-  const std::string payload_;  // the payload's name: chosen here, never read back from the block
   const std::shared_ptr<shm::Segment> doorbell_;
   const int32_t creator_pid_;
   const uint64_t forks_at_creation_;
@@ -647,34 +690,47 @@ class ConsumerImpl final : public FileConsumer {
 };
 
 // ---------------------------------------------------------------------------------------------
-// The doorbell watcher: one thread per consumer process while it has pending pairs.
+// The watcher: one thread per process while it has pending pairs (it serves their callbacks and
+// checks their producers' liveness) or keeps payload segments (it releases idle ones).
 
 void RunWatcher(ProcessState* state) {
-  const std::shared_ptr<shm::Segment> doorbell_segment = [&] {
-    std::lock_guard<std::mutex> lock(state->mu);
-    return state->doorbell;
-  }();
-  auto* doorbell = AsDoorbell(doorbell_segment);
   auto next_liveness = Clock::now();
   auto idle_since = Clock::now();
+  bool payloads_kept = payload::AnyKept();
   std::map<int32_t, std::pair<shm::ProcessId, bool>> liveness;
   for (;;) {
-    const uint32_t seen = doorbell->rings.load();
+    std::shared_ptr<shm::Segment> doorbell_segment;
     std::vector<std::shared_ptr<ConsumerImpl>> consumers;
+    std::vector<std::shared_ptr<shm::Segment>> unmapped_doorbells;  // (outside mu)
+    uint32_t seen = 0;
     {
       std::lock_guard<std::mutex> lock(state->mu);
       if (state->stopping) break;
+      doorbell_segment = state->doorbell;
+      // Read before the pairs are checked: a ring after this is not missed.
+      seen = doorbell_segment ? AsDoorbell(doorbell_segment)->rings.load() : state->wake.load();
       consumers = LiveConsumersLocked(*state);
       const auto now = Clock::now();
+      // Consumers' doorbells no attachment here has used for the idle time: unmapped.
+      const auto keep = milliseconds(payload::IdleMs());
+      for (auto it = state->doorbells.begin(); it != state->doorbells.end();) {
+        const bool unused = it->second.segment.use_count() == 1 &&
+                            now - it->second.last_used >= keep;
+        if (unused) unmapped_doorbells.push_back(std::move(it->second.segment));
+        it = unused ? state->doorbells.erase(it) : std::next(it);
+      }
       if (consumers.empty() && state->orphans.empty()) {
         if (now - idle_since >= kWatcherIdleExit) {
-          // No pair of this process is pending: the doorbell goes too (made again on demand),
-          // so that nothing of a process that exits without the library's exit handler (a fork
+          // No pair of this process is pending: the doorbell goes (made again on demand), so
+          // that nothing of a process that exits without the library's exit handler (a fork
           // child ending in os._exit) outlives it but what it still held.
           ReleaseDoorbellLocked(*state);
-          state->watcher_running = false;
-          state->watcher_exited.notify_all();
-          return;
+          doorbell_segment.reset();
+          if (!payloads_kept && state->doorbells.empty()) {
+            state->watcher_running = false;
+            state->watcher_exited.notify_all();
+            return;
+          }
         }
       } else {
         idle_since = now;
@@ -700,7 +756,10 @@ void RunWatcher(ProcessState* state) {
         if (!check_liveness && !consumer->HasCallbacks()) continue;
         if (consumer->Check(now, check_liveness, alive)) done.push_back(consumer);
       }
-      if (check_liveness) CheckOrphanPayloads(*state, alive);
+      if (check_liveness) {
+        CheckOrphanPayloads(*state, alive);
+        payloads_kept = payload::Sweep(now, alive);
+      }
     } catch (...) {
       // (Out of memory, say.) The next round checks again; the watcher must not die.
     }
@@ -717,16 +776,25 @@ void RunWatcher(ProcessState* state) {
     }
     consumers.clear();  // outside mu: a last reference may unlink segments
     done.clear();
-    doorbell->sleeping.store(1);
-    if (doorbell->rings.load() == seen) {
-      shm::FutexWait(&doorbell->rings, seen,
-                     std::max<Clock::duration>(next_liveness - Clock::now(), milliseconds(1)));
+    const auto sleep = std::max<Clock::duration>(next_liveness - Clock::now(), milliseconds(1));
+    if (doorbell_segment) {
+      auto* doorbell = AsDoorbell(doorbell_segment);
+      doorbell->sleeping.store(1);
+      if (doorbell->rings.load() == seen) shm::FutexWait(&doorbell->rings, seen, sleep);
+      doorbell->sleeping.store(0);
+    } else {
+      shm::FutexWait(&state->wake, seen, sleep);
     }
-    doorbell->sleeping.store(0);
   }
   std::lock_guard<std::mutex> lock(state->mu);
   state->watcher_running = false;
   state->watcher_exited.notify_all();
+}
+
+void WatchKeptPayloads() {
+  ProcessState& state = *process_state;
+  std::lock_guard<std::mutex> lock(state.mu);
+  if (!state.watcher_running && payload::AnyKept()) EnsureWatcherLocked(state);
 }
 
 // The consumers still alive (the list forgets the others). Destroy the result outside mu: it may
@@ -752,14 +820,14 @@ void ReleaseDoorbellLocked(ProcessState& state) {
   state.doorbell.reset();
 }
 
-void AdoptOrphanPayload(std::shared_ptr<shm::Segment> control, const std::string& payload) {
+void AdoptOrphanPayload(std::shared_ptr<shm::Segment> control) {
   ProcessState& state = *process_state;
   std::lock_guard<std::mutex> lock(state.mu);
   if (state.stopping) {
-    shm::Unlink(payload);
+    DiscardPayloadOfDeadProducer(static_cast<FileControlBlock*>(control->data()));
     return;
   }
-  state.orphans.push_back({std::move(control), payload});
+  state.orphans.push_back({std::move(control)});
   EnsureWatcherLocked(state);
 }
 
@@ -778,7 +846,8 @@ void CheckOrphanPayloads(ProcessState& state,
       still_writing.push_back(std::move(orphan));
       continue;
     }
-    shm::Unlink(orphan.payload);
+    // Finished (it withdrew its payload: nothing left to do) or died writing.
+    if (Phase(b->state.load()) == kClaimed) DiscardPayloadOfDeadProducer(b);
   }
   std::lock_guard<std::mutex> lock(state.mu);
   for (auto& orphan : still_writing) state.orphans.push_back(std::move(orphan));
@@ -797,7 +866,11 @@ std::shared_ptr<shm::Segment> ProducerDoorbell(ProcessState& state, const std::s
   std::shared_ptr<shm::Segment> segment;
   {
     std::lock_guard<std::mutex> lock(state.mu);
-    segment = state.doorbells[name].lock();
+    const auto it = state.doorbells.find(name);
+    if (it != state.doorbells.end()) {
+      it->second.last_used = Clock::now();
+      segment = it->second.segment;
+    }
   }
   if (!segment) {
     // Gone: the consumer has no pending pair (its watcher went idle) or it exited; this pair is
@@ -805,7 +878,8 @@ std::shared_ptr<shm::Segment> ProducerDoorbell(ProcessState& state, const std::s
     segment = shm::Segment::Open(name, kSegmentBytes);
     if (!segment) return nullptr;
     std::lock_guard<std::mutex> lock(state.mu);
-    state.doorbells[name] = segment;
+    state.doorbells[name] = {segment, Clock::now()};
+    EnsureWatcherLocked(state);  // (it releases the mapping when unused)
   }
   const auto* block = AsDoorbell(segment);
   if (block->magic != kDoorbellMagic || std::memcmp(block->nonce, nonce, kNonceBytes) != 0) {
@@ -847,7 +921,16 @@ FileHandle FileHandle::Parse(std::string_view rest, std::string_view expected_ty
   return handle;
 }
 
-std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle) {
+std::shared_ptr<shm::Segment> MapFileControlSegment(const FileHandle& handle) noexcept {
+  try {
+    return shm::Segment::Open(handle.segment, kSegmentBytes);
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
+                                                std::shared_ptr<shm::Segment> mapped) {
   ProcessState& state = *process_state;
   {
     std::lock_guard<std::mutex> lock(state.mu);
@@ -856,7 +939,8 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle) {
       if (auto attached = it->second.lock()) return attached;
     }
   }
-  std::shared_ptr<shm::Segment> control = shm::Segment::Open(handle.segment, kSegmentBytes);
+  std::shared_ptr<shm::Segment> control =
+      mapped ? std::move(mapped) : shm::Segment::Open(handle.segment, kSegmentBytes);
   if (!control) return nullptr;  // the pair is gone
   auto* block = static_cast<FileControlBlock*>(control->data());
   unsigned char nonce[kNonceBytes];
@@ -929,9 +1013,6 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle) {
     for (auto it = state.attachments.begin(); it != state.attachments.end();) {
       it = it->second.expired() ? state.attachments.erase(it) : std::next(it);
     }
-    for (auto it = state.doorbells.begin(); it != state.doorbells.end();) {
-      it = it->second.expired() ? state.doorbells.erase(it) : std::next(it);
-    }
     state.attachments_after_sweep = state.attachments.size();
   }
   return attachment;
@@ -954,7 +1035,6 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
   FileHandle handle;
   handle.type_name = std::string(type_name);
   handle.segment = shm::NewSegmentName(self);
-  std::string payload = shm::NewSegmentName(self);
   std::shared_ptr<shm::Segment> control = shm::Segment::Create(handle.segment, kSegmentBytes);
   auto* block = new (control->data()) FileControlBlock();  // zeroed; atomics and mutex built
   shm::RandomBytes(block->nonce, kNonceBytes);
@@ -964,12 +1044,11 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
   block->creator_start = self.start_time;
   WriteName(block->doorbell, state.doorbell_name);
   std::memcpy(block->doorbell_nonce, AsDoorbell(doorbell)->nonce, kNonceBytes);
-  WriteName(block->payload, payload);
   block->layout_version = kLayoutVersion;
   block->magic = kControlMagic;  // last: a producer checks it first
 
   auto consumer = std::make_shared<ConsumerImpl>(std::move(control), std::move(handle),
-                                                 std::move(payload), std::move(doorbell));
+                                                 std::move(doorbell));
   state.consumers.push_back(consumer);
   return consumer;
 }
@@ -981,9 +1060,13 @@ void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept {
     std::unique_lock<std::mutex> lock(state.mu);
     state.stopping = true;
     if (state.doorbell) Ring(AsDoorbell(state.doorbell));
+    state.wake.fetch_add(1);
+    shm::FutexWakeAll(&state.wake);
     state.watcher_exited.wait_until(lock, deadline, [&] { return !state.watcher_running; });
     consumers = LiveConsumersLocked(state);
-    for (auto& orphan : state.orphans) shm::Unlink(orphan.payload);
+    for (auto& orphan : state.orphans) {
+      DiscardPayloadOfDeadProducer(static_cast<FileControlBlock*>(orphan.control->data()));
+    }
     state.orphans.clear();
     ReleaseDoorbellLocked(state);
   }
@@ -1015,16 +1098,28 @@ void ReleaseIdleFileSegments() noexcept {
   if (!pending && state.orphans.empty()) ReleaseDoorbellLocked(state);
 }
 
-void PrepareForkFileKind() noexcept { process_state->mu.lock(); }
+void PrepareForkFileKind() noexcept {
+  process_state->mu.lock();
+  payload::PrepareFork();
+}
 
 void AfterForkFileKindInParent() noexcept {
   ++forks_in_parent;
+  payload::AfterForkInParent();
   process_state->mu.unlock();
 }
 
 void AfterForkFileKindInChild() noexcept {
-  // The parent's state (its watcher, its doorbell, its consumers) stays the parent's.
+  // The parent's state (its watcher, its doorbell, its consumers, its payload segments) stays
+  // the parent's.
+  payload::AfterForkInChild();
+  ProcessState* parents = process_state;
   process_state = new ProcessState();
+  // Unmapped here: nothing in the child uses them. (The old state is leaked: its mutex is held,
+  // by PrepareFork.)
+  parents->doorbell.reset();
+  parents->orphans.clear();
+  parents->doorbells.clear();
 }
 
 int FileWatcherThreads() {

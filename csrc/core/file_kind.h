@@ -2,26 +2,30 @@
 // (Boost.Interprocess) (torch-free; values are written and read by a ValueCodec<T>).
 //
 // Roles. The process that creates the pair (the consumer) owns a control segment: one page
-// holding the completion's state word, the table of producer processes, the name of the value's
-// payload segment (chosen by the consumer), and the completion itself (an error, or a value's
-// header). The promise is serialized ("dtorch-promise:1:file:<type>:<segment>:<nonce>") and
-// shipped to producers; a producer attaches on first use (not on deserialization: tracing,
-// jit.load and export.load make copies that never produce), registering its process in the table.
+// holding the completion's state word, the table of producer processes, and the completion
+// itself (an error, or a value's header and the name of its payload segment). The promise is
+// serialized ("dtorch-promise:1:file:<type>:<segment>:<nonce>") and shipped to producers; a
+// producer attaches on first use (not on deserialization: tracing, jit.load and export.load make
+// copies that never produce), registering its process in the table. (Deserializing maps the
+// control segment ahead, registering nothing: a promise shipped ahead of its value is set
+// without a system call for it.)
 //
 // Completing. The state word goes pending -> claimed (by one handle, a compare-and-swap: fulfil
 // once, across processes) -> value or error, the last step a compare-and-swap from that same
 // claim (the consumer may have failed the pair meanwhile). A value is copied, by the producer,
-// into the payload segment (named for the consumer, so that the consumer's death reaps it) before
-// the state says "value". The consumer maps the payload, unlinks its name, and its value views
-// the mapping for as long as it lives. A pair its consumer dropped is closed: a producer's set is
+// into a payload segment before the state says "value": one that producer process keeps for that
+// consumer process, reused across values (payload_pool.h), named for the consumer (so that the
+// consumer's death reaps it) until the consumer first maps it. The consumer's value views the
+// mapping for as long as it lives. A pair its consumer dropped is closed: a producer's set is
 // then a no-op.
 //
 // Waking. A thread blocked in Get()/WaitUntil() sleeps on a futex on the state word: the producer
-// wakes it directly (one hop). Callbacks and `await` are served by one doorbell watcher thread per
-// consumer process ("dtorch-doorbell"): producers ring the consumer's doorbell segment (a counter
-// and a futex). Nothing on the wake path is a lock: a killed producer cannot poison it. The robust
-// interprocess mutex of each control segment guards only the producer table (a producer that
-// finds its owner dead fails the pair).
+// wakes it directly (one hop). Callbacks and `await` are served by one watcher thread per process
+// ("dtorch-doorbell"): producers ring the consumer's doorbell segment (a counter and a futex)
+// when the pair has a callback (a flag in the control block says so). Nothing on the wake path
+// is a lock: a killed producer cannot poison it. The same thread releases idle payload segments
+// and the consumers' doorbells a producer mapped. The robust interprocess mutex of each control
+// segment guards only the producer table (a producer that finds its owner dead fails the pair).
 //
 // Liveness (checked by the watcher every 250 ms). Processes are told apart by pid, start time and
 // pid namespace (a promise refuses producers of another pid namespace). Once a producer has
@@ -32,8 +36,9 @@
 // whose creator dropped it fails with "no producer attached" after the attach deadline.
 //
 // Nothing left behind. Segments are created exclusively, mode 0600; the consumer unlinks the
-// control segment and the payload's name when the value is taken or the pair is gone (a payload
-// a producer was still writing then is unlinked once that producer is done or dead); a process's
+// control segment when the value is taken or the pair is gone, and a new payload's name when it
+// first maps it, or when the value can no longer be taken (a payload a producer was still
+// writing for a pair that went away is settled once that producer is done or dead); a process's
 // doorbell goes 2 s after its last pending pair; at exit a process unlinks what it owns; what a
 // killed process left is reaped when the library next loads in a process of the same user and
 // pid namespace.
@@ -108,7 +113,13 @@ class FileChannel {
 // its consumer exited): there is nobody to deliver to. Throws FutureError(kInvalidHandle) for a
 // segment that is not the one the handle names, kBrokenPromise when the promise's lock was left
 // by a producer that died holding it, kSharedMemory when mapping fails.
-std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle);
+// `mapped`: the control segment MapFileControlSegment mapped ahead, if it could.
+std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
+                                                std::shared_ptr<shm::Segment> mapped = nullptr);
+// Maps the control segment `handle` names, ahead of the first use of a promise deserialized
+// here (so that setting it makes no system call for it): null when that fails (the attach at
+// first use then says why). Registers nothing.
+std::shared_ptr<shm::Segment> MapFileControlSegment(const FileHandle& handle) noexcept;
 
 // The consumer's end of a pair, in the process that created it.
 class FileConsumer {
@@ -203,7 +214,9 @@ class FilePromise final : public PromiseBackend<T> {
         handle_(consumer_->handle()) {}
   // A promise another process serialized: attaches on first use.
   FilePromise(FileHandle handle, std::shared_ptr<const ValueCodec<T>> codec)
-      : codec_(std::move(codec)), handle_(std::move(handle)) {}
+      : codec_(std::move(codec)),
+        handle_(std::move(handle)),
+        premapped_(MapFileControlSegment(handle_)) {}
 
   ~FilePromise() override {
     if (consumer_ && consumer_->InCreatorProcess()) consumer_->CreatorDropped();
@@ -217,7 +230,7 @@ class FilePromise final : public PromiseBackend<T> {
   void Complete(Result<T> result) override {
     // Claimed by the parent of this forked child (whose fork handler fails what the parent had
     // pending): the completion is the parent's to publish.
-    if (claimed_in_ != getpid() || !delivers_) return;  // (not delivering: the pair is gone)
+    if (claimed_in_ != shm::CurrentPid() || !delivers_) return;  // (not delivering: the pair is gone)
     const auto channel = Attach();
     if (!channel) return;
     if (!result.ok()) {
@@ -267,7 +280,7 @@ class FilePromise final : public PromiseBackend<T> {
                         "producer that died)");
     }
     delivers_ = outcome == ClaimOutcome::kClaimed;  // (else the pair is gone: a no-op)
-    claimed_in_ = getpid();
+    claimed_in_ = shm::CurrentPid();
   }
 
  private:
@@ -276,13 +289,19 @@ class FilePromise final : public PromiseBackend<T> {
   // Attaching (syscalls, the promise's interprocess lock) runs outside mu_: a fork meanwhile
   // must not leave mu_ held in the child.
   std::shared_ptr<FileChannel> Attach() const {
-    const int32_t pid = getpid();
+    const int32_t pid = shm::CurrentPid();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (attached_pid_ == pid) return channel_;
     }
-    auto channel = consumer_ && consumer_->InCreatorProcess() ? consumer_->CreatorChannel()
-                                                             : AttachFileProducer(handle_);
+    std::shared_ptr<shm::Segment> premapped;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      premapped = std::move(premapped_);
+    }
+    auto channel = consumer_ && consumer_->InCreatorProcess()
+                       ? consumer_->CreatorChannel()
+                       : AttachFileProducer(handle_, std::move(premapped));
     std::lock_guard<std::mutex> lock(mu_);
     if (attached_pid_ != pid) {  // (else another thread attached meanwhile: the same channel)
       channel_ = std::move(channel);
@@ -299,6 +318,7 @@ class FilePromise final : public PromiseBackend<T> {
   mutable std::mutex mu_;
   mutable int32_t attached_pid_ = 0;               // guarded by mu_: 0 until attached
   mutable std::shared_ptr<FileChannel> channel_;   // guarded by mu_
+  mutable std::shared_ptr<shm::Segment> premapped_;  // guarded by mu_: until the first attach
 };
 
 // The codec of completion-only pairs (VoidPromise): no header, no payload.

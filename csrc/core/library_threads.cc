@@ -34,6 +34,7 @@ void AfterForkInParent() {
 }
 
 void AfterForkInChild() {
+  shm::ResetCurrentPidInForkChild();  // first: the handlers below ask for this process's pid
   BeginForkChildHandler();
   AfterForkFileKindInChild();
   CompletionPool::Instance().AfterForkInChild();

@@ -4,6 +4,7 @@
 
 #include <dirent.h>
 #include <linux/futex.h>
+#include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -87,11 +88,26 @@ FutureError ShmError(const std::string& what, int error) {
 
 }  // namespace
 
+namespace {
+std::atomic<int32_t> current_pid{0};
+}  // namespace
+
+int32_t CurrentPid() noexcept {
+  int32_t pid = current_pid.load(std::memory_order_relaxed);
+  if (pid == 0) {
+    pid = static_cast<int32_t>(getpid());
+    current_pid.store(pid, std::memory_order_relaxed);
+  }
+  return pid;
+}
+
+void ResetCurrentPidInForkChild() noexcept { current_pid.store(0, std::memory_order_relaxed); }
+
 ProcessId Self() {
   // Per process: a fork child computes its own (racing writers store the same values).
   static std::atomic<int32_t> cached_pid{0};
   static std::atomic<uint64_t> cached_start{0}, cached_namespace{0};
-  const int32_t pid = getpid();
+  const int32_t pid = CurrentPid();
   if (cached_pid.load(std::memory_order_acquire) != pid) {
     // /proc must be this pid namespace's (unshare -p without a new /proc shows another's).
     char self_link[32] = {};
@@ -196,14 +212,15 @@ Segment::~Segment() = default;
 void* Segment::data() const { return region_->get_address(); }
 size_t Segment::size() const { return region_->get_size(); }
 
-std::unique_ptr<Segment> Segment::Create(const std::string& name, size_t size) {
+std::unique_ptr<Segment> Segment::Create(const std::string& name, size_t size, bool populate) {
   try {
     bip::permissions owner_only(0600);
     bip::shared_memory_object object(bip::create_only, name.c_str(), bip::read_write, owner_only);
     try {
       object.truncate(static_cast<bip::offset_t>(size));  // posix_fallocate: space reserved
-      return std::unique_ptr<Segment>(
-          new Segment(std::make_unique<bip::mapped_region>(object, bip::read_write)));
+      return std::unique_ptr<Segment>(new Segment(std::make_unique<bip::mapped_region>(
+          object, bip::read_write, 0, 0, nullptr,
+          populate ? bip::map_options_t(MAP_POPULATE) : bip::default_map_options)));
     } catch (...) {
       bip::shared_memory_object::remove(name.c_str());
       throw;
@@ -239,12 +256,12 @@ std::unique_ptr<Segment> Segment::Open(const std::string& name, size_t expected_
                       "/dev/shm/" + name + " is not a segment of this user with mode 0600; "
                       "refusing to use it");
   }
-  if (static_cast<uint64_t>(info.st_size) != expected_size) {
+  if (expected_size != kAnySize && static_cast<uint64_t>(info.st_size) != expected_size) {
     throw FutureError(FutureErrc::kInvalidHandle,
                       "/dev/shm/" + name + " has " + std::to_string(info.st_size) +
                           " bytes, expected " + std::to_string(expected_size));
   }
-  if (expected_size == 0) {
+  if (info.st_size == 0) {
     throw FutureError(FutureErrc::kInvalidHandle, "an empty segment cannot be mapped");
   }
   try {

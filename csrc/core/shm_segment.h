@@ -39,6 +39,11 @@ struct ProcessId {
   }
 };
 
+// getpid() without a system call on the hot paths: cached, and reset by the library's fork
+// handler in the child (ResetCurrentPidInForkChild, first thing).
+int32_t CurrentPid() noexcept;
+void ResetCurrentPidInForkChild() noexcept;
+
 // This process (recomputed after fork). Throws FutureError(kSharedMemory) if /proc cannot tell.
 ProcessId Self();
 // A process of this pid namespace.
@@ -62,12 +67,15 @@ bool ParseSegmentName(std::string_view name, ProcessId* owner = nullptr);
 // A mapped segment; unmapped (not unlinked) when destroyed.
 class Segment {
  public:
-  // Creates `name` exclusively, mode 0600, `size` bytes reserved and zeroed, mapped read-write.
-  // Throws FutureError(kSharedMemory) naming the cause (no room in /dev/shm, name taken).
-  static std::unique_ptr<Segment> Create(const std::string& name, size_t size);
+  // Creates `name` exclusively, mode 0600, `size` bytes reserved and zeroed, mapped read-write;
+  // `populate`: its page tables filled now (MAP_POPULATE), not one fault per page at first
+  // write. Throws FutureError(kSharedMemory) naming the cause (no room in /dev/shm, name taken).
+  static std::unique_ptr<Segment> Create(const std::string& name, size_t size,
+                                         bool populate = false);
   // Opens and maps an existing segment: nullptr if no such name exists; throws
   // FutureError(kInvalidHandle) unless it is a regular file of this user (EACCES: another
-  // user's), mode 0600, of `expected_size` bytes.
+  // user's), mode 0600, of `expected_size` bytes (kAnySize: of any size but 0).
+  static constexpr size_t kAnySize = SIZE_MAX;
   static std::unique_ptr<Segment> Open(const std::string& name, size_t expected_size);
 
   ~Segment();

@@ -26,6 +26,7 @@
 #include "../core/file_kind.h"
 #include "../core/kind_registry.h"
 #include "../core/library_threads.h"
+#include "../core/payload_pool.h"
 #include "../ops/errors.h"
 #include "../ops/futures.h"
 #include "../ops/get_tensor.h"
@@ -347,6 +348,15 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("pending_file_pairs", &core::PendingFilePairs);
   m.def("file_doorbell_segment", &core::FileDoorbellSegment);
+  m.def("kept_file_payloads", [] {
+    const auto kept = core::payload::Kept();
+    py::dict counts;
+    counts["produced"] = kept.produced;
+    counts["received"] = kept.received;
+    counts["produced_bytes"] = kept.produced_bytes;
+    counts["received_bytes"] = kept.received_bytes;
+    return counts;
+  });
   // dtorch_ops calls it in a fork-started multiprocessing child before it exits (which skips the
   // library's exit handler): its consumers then read "producer exited", not "died", and its
   // doorbell goes if nothing of it is pending.
@@ -384,6 +394,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("pool_threads", [] { return core::CompletionPool::Instance().Threads(); });
   m.def("set_attach_timeout_ms", &core::SetAttachTimeoutMs);
   m.def("attach_timeout_ms", &core::AttachTimeoutMs);
+  m.def("set_payload_idle_ms", &core::payload::SetIdleMs);
+  m.def("payload_idle_ms", &core::payload::IdleMs);
   m.def("set_exit_timeout_ms", &core::SetExitTimeoutMs);
   m.def("exit_timeout_ms", &core::ExitTimeoutMs);
 }

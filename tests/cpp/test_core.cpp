@@ -26,6 +26,7 @@
 #include "core/completion_detectors.h"
 #include "core/completion_pool.h"
 #include "core/file_kind.h"
+#include "core/payload_pool.h"
 #include "core/fork_generation.h"
 #include "core/kind_registry.h"
 #include "core/library_threads.h"
@@ -744,6 +745,35 @@ static void TestFileKindProducerProcesses() {
   ++g_passed;
 }
 
+static void TestFilePayloadReuse() {
+  // Size classes: at least 64 KiB, then 4, 5, 6, 7 x a power of two (at most 25 % unused).
+  CHECK(payload::ClassCapacity(1) == 64 * 1024);
+  CHECK(payload::ClassCapacity(64 * 1024) == 64 * 1024);
+  CHECK(payload::ClassCapacity(64 * 1024 + 1) == 80 * 1024);
+  CHECK(payload::ClassCapacity(1 << 20) == 1 << 20);
+  CHECK(payload::ClassCapacity((1 << 20) + 1) == 1280 * 1024);
+  CHECK(payload::ClassCapacity(uint64_t{7} << 30) == uint64_t{7} << 30);
+  for (uint64_t bytes = 1; bytes < (uint64_t{1} << 40); bytes = bytes * 3 + 7) {
+    const uint64_t capacity = payload::ClassCapacity(bytes);
+    CHECK(capacity >= bytes && (capacity <= 64 * 1024 || capacity - capacity / 5 <= bytes));
+  }
+  // Values one after another (each dropped before the next: IntCodec copies it out) reuse one
+  // segment, mapped once by the producer's side and once by the consumer's (one process here).
+  auto codec = std::make_shared<IntCodec>();
+  const auto before = payload::Kept();
+  for (int64_t i = 0; i < 5; ++i) {
+    FilePromise<int64_t> creator(codec);
+    auto future = creator.GetFuture();
+    Deserialized(creator.Serialize(), codec)->SetValue(i);
+    CHECK(future->Get() == i);
+  }
+  const auto after = payload::Kept();
+  CHECK(after.produced == before.produced + (before.produced == 0 ? 1 : 0));
+  CHECK(after.received == before.received + (before.received == 0 ? 1 : 0));
+  CHECK(after.produced_bytes >= 64 * 1024 && after.received_bytes >= 64 * 1024);
+  ++g_passed;
+}
+
 static void TestKindRegistry() {
   KindRegistry<int64_t> kinds("IntPromise");
   kinds.Register(kMemoryKind, {[](std::string_view) {
@@ -846,6 +876,7 @@ int main() {
   TestKindRegistry();
   TestFileKindInProcess();
   TestFileKindProducerProcesses();
+  TestFilePayloadReuse();
   TestStopAtExit();
   std::printf("core tests: %d passed\n", g_passed);
   return 0;

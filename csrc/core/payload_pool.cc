@@ -1,0 +1,383 @@
+#include "payload_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "future_error.h"
+
+namespace dtorch::core::payload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kTrailerMagic = 0x3170706863726f74ULL;  // "torchpp1" (little-endian)
+constexpr uint64_t kTrailerBytes = 4096;  // one page: the data before it stays page-aligned
+constexpr uint64_t kMinClassBytes = 64 * 1024;
+constexpr uint64_t kPageBytes = 4096;
+
+// Trailer states.
+constexpr uint32_t kWriting = 1, kPublished = 2, kInUse = 3, kFree = 4, kRetired = 5;
+
+struct Trailer {
+  // Written once by the producer before the name is published.
+  uint64_t magic;
+  uint64_t capacity;
+  int32_t producer_pid;
+  uint64_t producer_start;
+  uint32_t pooled;  // kept for reuse (else a one-off, retired when its view goes)
+
+  std::atomic<uint32_t> state;
+  std::atomic<uint32_t> producer_released;  // the producer dropped it: not to be reused
+  std::atomic<uint64_t> sequence;           // the value now in it
+};
+static_assert(sizeof(Trailer) <= kTrailerBytes);
+
+Trailer* TrailerOf(const shm::Segment& segment) {
+  return reinterpret_cast<Trailer*>(static_cast<char*>(segment.data()) + segment.size() -
+                                    kTrailerBytes);
+}
+
+bool CasState(Trailer* trailer, uint32_t from, uint32_t to) {
+  return trailer->state.compare_exchange_strong(from, to);
+}
+
+std::atomic<int64_t> idle_ms{kDefaultIdleMs};
+
+// ---- the producer's side ----
+
+struct ProducedSegment {
+  std::shared_ptr<shm::Segment> segment;
+  std::string name;
+  uint64_t capacity = 0;
+  Clock::time_point last_used;  // guarded by State::mu
+};
+
+struct ConsumerPool {
+  shm::ProcessId consumer;
+  std::vector<std::shared_ptr<ProducedSegment>> segments;
+};
+
+// ---- the consumer's side ----
+
+struct ReceivedSegment {
+  std::shared_ptr<shm::Segment> segment;
+  std::string name;
+  shm::ProcessId producer;
+  int32_t receiver_pid = 0;     // a forked child's copy of a view frees nothing
+  bool cached = false;          // guarded by State::mu: in State::received
+  Clock::time_point last_used;  // guarded by State::mu
+};
+
+struct State {
+  std::mutex mu;
+  // Guarded by mu. Keyed by the peer's (pid, start time).
+  std::map<std::pair<int32_t, uint64_t>, ConsumerPool> pools;
+  std::map<std::string, std::shared_ptr<ReceivedSegment>> received;
+};
+
+// Replaced (the old one leaked) in a fork child: its mutex may be held by a thread of the parent.
+State* state = new State();
+
+class LeaseImpl final : public Lease {
+ public:
+  LeaseImpl(std::shared_ptr<ProducedSegment> produced, bool fresh, bool pooled)
+      : produced_(std::move(produced)), fresh_(fresh), pooled_(pooled) {}
+  ~LeaseImpl() override {
+    if (!published_) Withdraw();
+  }
+
+  void* data() const override { return produced_->segment->data(); }
+  const std::string& name() const override { return produced_->name; }
+  uint64_t sequence() const override { return trailer()->sequence.load(); }
+
+  void MarkPublished() override {
+    trailer()->state.store(kPublished);  // (release: the data is written)
+    published_ = true;
+  }
+
+  void Withdraw() noexcept override {
+    published_ = true;  // (done with it either way)
+    Trailer* t = trailer();
+    const uint32_t from = t->state.load();
+    if (from != kWriting && from != kPublished) return;  // received after all
+    if (!CasState(t, from, fresh_ ? kRetired : kFree)) return;
+    if (fresh_) {
+      // The consumer never mapped it: it can never be reused.
+      shm::Unlink(produced_->name);
+      if (pooled_) Forget();
+    }
+  }
+
+ private:
+  Trailer* trailer() const { return TrailerOf(*produced_->segment); }
+
+  void Forget() noexcept {
+    std::shared_ptr<ProducedSegment> dropped;
+    std::lock_guard<std::mutex> lock(state->mu);
+    for (auto& [key, pool] : state->pools) {
+      auto& list = pool.segments;
+      const auto it = std::find(list.begin(), list.end(), produced_);
+      if (it != list.end()) {
+        list.erase(it);
+        return;
+      }
+    }
+  }
+
+  const std::shared_ptr<ProducedSegment> produced_;
+  const bool fresh_;
+  const bool pooled_;
+  bool published_ = false;
+};
+
+}  // namespace
+
+uint64_t ClassCapacity(uint64_t bytes) {
+  if (bytes <= kMinClassBytes) return kMinClassBytes;
+  // The smallest m * 2^k >= bytes with m in {4, 5, 6, 7}: at most 25 % unused.
+  const int top = 63 - __builtin_clzll(bytes - 1);  // 2^top <= bytes - 1 < 2^(top + 1)
+  const uint64_t step = uint64_t{1} << (top - 2);
+  return (bytes + step - 1) / step * step;
+}
+
+std::unique_ptr<Lease> Acquire(const shm::ProcessId& consumer, uint64_t bytes,
+                               const std::function<void(const std::string&)>& before_create) {
+  const uint64_t capacity = ClassCapacity(bytes);
+  bool pooled = false;
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    auto& pool = state->pools[{consumer.pid, consumer.start_time}];
+    pool.consumer = consumer;
+    size_t of_class = 0;
+    uint64_t kept_bytes = 0;
+    for (auto& produced : pool.segments) {
+      kept_bytes += produced->capacity;
+      if (produced->capacity != capacity) continue;
+      ++of_class;
+      Trailer* t = TrailerOf(*produced->segment);
+      if (!t->producer_released.load() && CasState(t, kFree, kWriting)) {
+        t->sequence.fetch_add(1);
+        produced->last_used = Clock::now();
+        return std::make_unique<LeaseImpl>(produced, /*fresh=*/false, /*pooled=*/true);
+      }
+    }
+    pooled = of_class < kPooledPerClass && kept_bytes + capacity <= kMaxPooledBytes;
+  }
+  const uint64_t exact = (bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
+  auto produced = std::make_shared<ProducedSegment>();
+  produced->name = shm::NewSegmentName(consumer);  // the consumer's: its death reaps it
+  before_create(produced->name);
+  for (;;) {
+    produced->capacity = pooled ? capacity : exact;
+    try {
+      produced->segment = shm::Segment::Create(produced->name, produced->capacity + kTrailerBytes,
+                                               /*populate=*/true);
+      break;
+    } catch (const FutureError&) {
+      // No room for the size class's capacity (up to 25 % more): the value alone may fit.
+      if (!pooled || capacity == exact) throw;
+      pooled = false;
+    }
+  }
+  auto* t = new (TrailerOf(*produced->segment)) Trailer();
+  const auto self = shm::Self();
+  t->capacity = produced->capacity;
+  t->producer_pid = self.pid;
+  t->producer_start = self.start_time;
+  t->pooled = pooled ? 1 : 0;
+  t->sequence.store(1);
+  t->state.store(kWriting);
+  t->magic = kTrailerMagic;
+  produced->last_used = Clock::now();
+  if (pooled) {
+    std::lock_guard<std::mutex> lock(state->mu);
+    auto& pool = state->pools[{consumer.pid, consumer.start_time}];
+    pool.consumer = consumer;
+    pool.segments.push_back(produced);
+  }
+  return std::make_unique<LeaseImpl>(std::move(produced), /*fresh=*/true, pooled);
+}
+
+Received Receive(const std::string& name, uint64_t sequence, uint64_t bytes) {
+  const auto corrupt = [&](const std::string& why) {
+    return FutureError(FutureErrc::kInvalidHandle,
+                       "the value's payload segment /dev/shm/" + name + " " + why);
+  };
+  std::shared_ptr<ReceivedSegment> entry;
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    const auto it = state->received.find(name);
+    if (it != state->received.end()) entry = it->second;
+  }
+  if (!entry) {
+    std::shared_ptr<shm::Segment> segment = shm::Segment::Open(name, shm::Segment::kAnySize);
+    if (!segment) {
+      throw FutureError(FutureErrc::kSharedMemory,
+                        "the value's payload segment /dev/shm/" + name + " is gone");
+    }
+    shm::Unlink(name);  // mapped here and by its producer: the name is no longer needed
+    if (segment->size() <= kTrailerBytes || segment->size() % kPageBytes != 0) {
+      throw corrupt("has a bad size");
+    }
+    const Trailer* t = TrailerOf(*segment);
+    if (t->magic != kTrailerMagic || t->capacity != segment->size() - kTrailerBytes) {
+      throw corrupt("has no payload trailer of this format");
+    }
+    entry = std::make_shared<ReceivedSegment>();
+    entry->producer = shm::InThisNamespace(t->producer_pid, t->producer_start);
+    entry->segment = std::move(segment);
+    entry->name = name;
+    entry->receiver_pid = shm::CurrentPid();
+  }
+  Trailer* t = TrailerOf(*entry->segment);
+  if (bytes > t->capacity) throw corrupt("is smaller than the value");
+  if (t->sequence.load() != sequence || !CasState(t, kPublished, kInUse)) {
+    throw corrupt("does not hold this value (it was withdrawn or reused)");
+  }
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    entry->last_used = Clock::now();
+    if (t->pooled && !entry->cached) {
+      entry->cached = true;
+      state->received[name] = entry;
+    }
+  }
+  // The view's end: free for the producer's next value, unless either side gave it up.
+  std::shared_ptr<void> keep_alive(entry.get(), [entry](void*) {
+    if (shm::CurrentPid() != entry->receiver_pid) return;
+    Trailer* t = TrailerOf(*entry->segment);
+    State* s = state;
+    std::lock_guard<std::mutex> lock(s->mu);
+    entry->last_used = Clock::now();
+    if (entry->cached && !t->producer_released.load() && CasState(t, kInUse, kFree)) return;
+    t->state.store(kRetired);
+    if (entry->cached) {
+      entry->cached = false;
+      s->received.erase(entry->name);  // (the mapping goes with the last reference: here)
+    }
+  });
+  return {entry->segment->data(), std::move(keep_alive)};
+}
+
+void Discard(const std::string& name) noexcept {
+  std::shared_ptr<ReceivedSegment> dropped;  // unmapped outside mu
+  std::lock_guard<std::mutex> lock(state->mu);
+  const auto it = state->received.find(name);
+  if (it == state->received.end()) return;
+  Trailer* t = TrailerOf(*it->second->segment);
+  const uint32_t now_state = t->state.load();
+  if (now_state != kWriting && now_state != kPublished) return;
+  t->state.store(kRetired);
+  it->second->cached = false;
+  dropped = std::move(it->second);
+  state->received.erase(it);
+}
+
+bool Sweep(Clock::time_point now, const std::function<bool(const shm::ProcessId&)>& alive) {
+  const auto idle = std::chrono::milliseconds(idle_ms.load());
+  std::vector<std::shared_ptr<ProducedSegment>> dropped_produced;  // unmapped outside mu
+  std::vector<std::shared_ptr<ReceivedSegment>> dropped_received;
+  bool any = false;
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    for (auto pool_it = state->pools.begin(); pool_it != state->pools.end();) {
+      auto& pool = pool_it->second;
+      const bool consumer_alive = alive(pool.consumer);
+      auto& list = pool.segments;
+      for (auto it = list.begin(); it != list.end();) {
+        auto& produced = *it;
+        Trailer* t = TrailerOf(*produced->segment);
+        bool drop = false;
+        if (!consumer_alive) {
+          shm::Unlink(produced->name);  // (never received: still named)
+          drop = true;
+        } else if (t->state.load() == kRetired) {
+          drop = true;
+        } else if (now - produced->last_used >= idle) {
+          // Free: retired for both. In use: the consumer retires it when its view goes.
+          drop = CasState(t, kFree, kRetired) || t->state.load() == kInUse;
+        }
+        if (drop) {
+          t->producer_released.store(1);
+          dropped_produced.push_back(std::move(produced));
+          it = list.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      pool_it = list.empty() ? state->pools.erase(pool_it) : std::next(pool_it);
+    }
+    for (auto it = state->received.begin(); it != state->received.end();) {
+      auto& entry = it->second;
+      Trailer* t = TrailerOf(*entry->segment);
+      const uint32_t now_state = t->state.load();
+      bool drop = now_state == kRetired;
+      if (!drop && (t->producer_released.load() || now - entry->last_used >= idle)) {
+        drop = CasState(t, kFree, kRetired);
+      }
+      // A dead producer writes nothing more into it. (A value it published stays until taken;
+      // one it died writing is discarded when its pair breaks.)
+      if (!drop && now_state != kInUse && now_state != kPublished && !alive(entry->producer)) {
+        t->state.store(kRetired);
+        drop = true;
+      }
+      if (drop) {
+        entry->cached = false;
+        dropped_received.push_back(std::move(entry));
+        it = state->received.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    any = !state->pools.empty() || !state->received.empty();
+  }
+  return any;
+}
+
+bool AnyKept() {
+  std::lock_guard<std::mutex> lock(state->mu);
+  return !state->pools.empty() || !state->received.empty();
+}
+
+Counts Kept() {
+  Counts counts;
+  std::lock_guard<std::mutex> lock(state->mu);
+  for (const auto& [key, pool] : state->pools) {
+    for (const auto& produced : pool.segments) {
+      ++counts.produced;
+      counts.produced_bytes += produced->capacity;
+    }
+  }
+  for (const auto& [name, entry] : state->received) {
+    ++counts.received;
+    counts.received_bytes += entry->segment->size() - kTrailerBytes;
+  }
+  return counts;
+}
+
+void SetIdleMs(int64_t ms) {
+  if (ms < 0) throw std::invalid_argument("the payload idle time must be >= 0 ms");
+  idle_ms = ms;
+}
+
+int64_t IdleMs() { return idle_ms.load(); }
+
+void PrepareFork() noexcept { state->mu.lock(); }
+void AfterForkInParent() noexcept { state->mu.unlock(); }
+void AfterForkInChild() noexcept {
+  // The parent's segments are unmapped here (the child would keep them in memory for as long as
+  // it lives), except those a view inherited by the child still holds. (The old state is leaked:
+  // its mutex is held, by PrepareFork; nothing else touches it now.)
+  State* parents = state;
+  state = new State();
+  parents->pools.clear();
+  parents->received.clear();
+}
+
+}  // namespace dtorch::core::payload
