@@ -188,7 +188,9 @@ def serve_values(conn) -> None:
     ("set", [(handle, numel, fill), ...]): sets each promise to full((numel,), fill) with
         get_tensor, in order, then replies ("done", count);
     ("set_reporting", [...]): the same, replying ("start", i) before each set (its value made
-        already) and ("set", i, seconds the set took) after it;
+        and the promise attached already) and ("set", i, seconds the set took) after it;
+    ("set_threads", [...], n): sets them from n threads at once (each its share, in order),
+        then replies ("done", count);
     ("kept",): replies (kept_file_payloads(), library_threads(), dtorch mappings);
     ("idle", seconds): sets config.file_payload_idle_s, replies "ok";
     None: returns."""
@@ -211,6 +213,7 @@ def serve_values(conn) -> None:
                 promise = dtorch_ops.TensorPromise.from_serialized(handle)
                 value = torch.full((numel,), float(fill))
                 if reporting:
+                    _refused_set(promise)  # attached: killed from now on, it "died"
                     conn.send(("start", i))
                 started = time.monotonic()
                 dtorch_ops.get_tensor(value, promise)
@@ -219,6 +222,22 @@ def serve_values(conn) -> None:
                 del promise, value
             if not reporting:
                 conn.send(("done", len(request[1])))
+        elif request[0] == "set_threads":
+            import threading
+
+            values, count = request[1], request[2]
+
+            def set_share(k):
+                for handle, numel, fill in values[k::count]:
+                    promise = dtorch_ops.TensorPromise.from_serialized(handle)
+                    dtorch_ops.get_tensor(torch.full((numel,), float(fill)), promise)
+
+            threads = [threading.Thread(target=set_share, args=(k,)) for k in range(count)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            conn.send(("done", len(values)))
         elif request[0] == "kept":
             conn.send((dtorch_ops._C.kept_file_payloads(), dtorch_ops.library_threads(),
                        _payload_mappings()))

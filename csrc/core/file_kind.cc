@@ -190,7 +190,7 @@ FutureError InvalidSegment(const std::string& name, const std::string& why) {
 }
 
 // Runs the watcher while this process keeps payload segments (it releases them when idle).
-void WatchKeptPayloads();
+void WatchKeptPayloads() noexcept;
 
 // ---------------------------------------------------------------------------------------------
 // Completing: what the creator's handle and a producer's attachment share.
@@ -247,7 +247,6 @@ class ChannelBase : public FileChannel {
       }
       b->payload_sequence = lease->sequence();
       lease->MarkPublished();
-      WatchKeptPayloads();
     }
     b->payload_bytes = payload_bytes;
     b->header_bytes = static_cast<uint32_t>(header.size());
@@ -258,6 +257,7 @@ class ChannelBase : public FileChannel {
     // the watcher's: payload::Sweep.)
     const bool published = Finish(kValue);
     if (lease && (!published || (b->flags.load() & kConsumerGone))) lease->Withdraw();
+    if (lease) WatchKeptPayloads();
   }
 
   void PublishError(const ErrorInfo& error) noexcept override {
@@ -696,7 +696,6 @@ class ConsumerImpl final : public FileConsumer {
 void RunWatcher(ProcessState* state) {
   auto next_liveness = Clock::now();
   auto idle_since = Clock::now();
-  bool payloads_kept = payload::AnyKept();
   std::map<int32_t, std::pair<shm::ProcessId, bool>> liveness;
   for (;;) {
     std::shared_ptr<shm::Segment> doorbell_segment;
@@ -726,7 +725,8 @@ void RunWatcher(ProcessState* state) {
           // child ending in os._exit) outlives it but what it still held.
           ReleaseDoorbellLocked(*state);
           doorbell_segment.reset();
-          if (!payloads_kept && state->doorbells.empty()) {
+          // (Asked now, under mu: a segment kept since the last sweep must not be missed.)
+          if (!payload::AnyKept() && state->doorbells.empty()) {
             state->watcher_running = false;
             state->watcher_exited.notify_all();
             return;
@@ -758,7 +758,7 @@ void RunWatcher(ProcessState* state) {
       }
       if (check_liveness) {
         CheckOrphanPayloads(*state, alive);
-        payloads_kept = payload::Sweep(now, alive);
+        payload::Sweep(now, alive);
       }
     } catch (...) {
       // (Out of memory, say.) The next round checks again; the watcher must not die.
@@ -791,10 +791,15 @@ void RunWatcher(ProcessState* state) {
   state->watcher_exited.notify_all();
 }
 
-void WatchKeptPayloads() {
+void WatchKeptPayloads() noexcept {
   ProcessState& state = *process_state;
   std::lock_guard<std::mutex> lock(state.mu);
-  if (!state.watcher_running && payload::AnyKept()) EnsureWatcherLocked(state);
+  try {
+    if (!state.watcher_running && payload::AnyKept()) EnsureWatcherLocked(state);
+  } catch (...) {
+    // No thread now (std::system_error): the next value tries again; until then, idle segments
+    // stay mapped.
+  }
 }
 
 // The consumers still alive (the list forgets the others). Destroy the result outside mu: it may

@@ -32,9 +32,12 @@ struct Trailer {
   uint64_t producer_start;
   uint32_t pooled;  // kept for reuse (else a one-off, retired when its view goes)
 
-  std::atomic<uint32_t> state;
+  // The value's number in the segment (high 56 bits) and whose turn it is (low 8). Every change
+  // is a compare-and-swap from a word naming the value: a party holding a stale number (the lease
+  // of an earlier value, a consumer with another pair's number) changes nothing.
+  std::atomic<uint64_t> word;
   std::atomic<uint32_t> producer_released;  // the producer dropped it: not to be reused
-  std::atomic<uint64_t> sequence;           // the value now in it
+  std::atomic<int64_t> freed_at_ns;         // steady clock (CLOCK_MONOTONIC): the last view went
 };
 static_assert(sizeof(Trailer) <= kTrailerBytes);
 
@@ -43,8 +46,29 @@ Trailer* TrailerOf(const shm::Segment& segment) {
                                     kTrailerBytes);
 }
 
-bool CasState(Trailer* trailer, uint32_t from, uint32_t to) {
-  return trailer->state.compare_exchange_strong(from, to);
+constexpr uint64_t Word(uint64_t sequence, uint32_t state) { return sequence << 8 | state; }
+uint32_t StateOf(uint64_t word) { return static_cast<uint32_t>(word & 0xff); }
+uint64_t SequenceOf(uint64_t word) { return word >> 8; }
+uint32_t StateOf(const Trailer* t) { return StateOf(t->word.load()); }
+
+// Moves value `sequence` from state `from` to `to`; false if the segment is not in that state
+// with that value.
+bool MoveValue(Trailer* t, uint64_t sequence, uint32_t from, uint32_t to) {
+  uint64_t expected = Word(sequence, from);
+  return t->word.compare_exchange_strong(expected, Word(sequence, to));
+}
+
+// Moves whatever value the segment holds from state `from` to `to`.
+bool Move(Trailer* t, uint32_t from, uint32_t to) {
+  uint64_t word = t->word.load();
+  while (StateOf(word) == from) {
+    if (t->word.compare_exchange_weak(word, Word(SequenceOf(word), to))) return true;
+  }
+  return false;
+}
+
+int64_t NowNs(Clock::time_point now = Clock::now()) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
 }
 
 std::atomic<int64_t> idle_ms{kDefaultIdleMs};
@@ -61,6 +85,7 @@ struct ProducedSegment {
 struct ConsumerPool {
   shm::ProcessId consumer;
   std::vector<std::shared_ptr<ProducedSegment>> segments;
+  std::vector<uint64_t> creating;  // capacities of pooled segments being made (counted in)
 };
 
 // ---- the consumer's side ----
@@ -69,6 +94,7 @@ struct ReceivedSegment {
   std::shared_ptr<shm::Segment> segment;
   std::string name;
   shm::ProcessId producer;
+  bool pooled = false;
   int32_t receiver_pid = 0;     // a forked child's copy of a view frees nothing
   bool cached = false;          // guarded by State::mu: in State::received
   Clock::time_point last_used;  // guarded by State::mu
@@ -86,27 +112,29 @@ State* state = new State();
 
 class LeaseImpl final : public Lease {
  public:
-  LeaseImpl(std::shared_ptr<ProducedSegment> produced, bool fresh, bool pooled)
-      : produced_(std::move(produced)), fresh_(fresh), pooled_(pooled) {}
+  LeaseImpl(std::shared_ptr<ProducedSegment> produced, uint64_t sequence, bool fresh, bool pooled)
+      : produced_(std::move(produced)), sequence_(sequence), fresh_(fresh), pooled_(pooled) {}
   ~LeaseImpl() override {
     if (!published_) Withdraw();
   }
 
   void* data() const override { return produced_->segment->data(); }
   const std::string& name() const override { return produced_->name; }
-  uint64_t sequence() const override { return trailer()->sequence.load(); }
+  uint64_t sequence() const override { return sequence_; }
 
   void MarkPublished() override {
-    trailer()->state.store(kPublished);  // (release: the data is written)
+    MoveValue(trailer(), sequence_, kWriting, kPublished);  // (seq_cst: the data is written)
     published_ = true;
   }
 
   void Withdraw() noexcept override {
     published_ = true;  // (done with it either way)
     Trailer* t = trailer();
-    const uint32_t from = t->state.load();
-    if (from != kWriting && from != kPublished) return;  // received after all
-    if (!CasState(t, from, fresh_ ? kRetired : kFree)) return;
+    const uint32_t to = fresh_ ? kRetired : kFree;
+    // (Received after all, or retired: nothing to do.)
+    if (!MoveValue(t, sequence_, kWriting, to) && !MoveValue(t, sequence_, kPublished, to)) {
+      return;
+    }
     if (fresh_) {
       // The consumer never mapped it: it can never be reused.
       shm::Unlink(produced_->name);
@@ -118,7 +146,6 @@ class LeaseImpl final : public Lease {
   Trailer* trailer() const { return TrailerOf(*produced_->segment); }
 
   void Forget() noexcept {
-    std::shared_ptr<ProducedSegment> dropped;
     std::lock_guard<std::mutex> lock(state->mu);
     for (auto& [key, pool] : state->pools) {
       auto& list = pool.segments;
@@ -131,6 +158,7 @@ class LeaseImpl final : public Lease {
   }
 
   const std::shared_ptr<ProducedSegment> produced_;
+  const uint64_t sequence_;  // this lease's value
   const bool fresh_;
   const bool pooled_;
   bool published_ = false;
@@ -161,29 +189,51 @@ std::unique_ptr<Lease> Acquire(const shm::ProcessId& consumer, uint64_t bytes,
       if (produced->capacity != capacity) continue;
       ++of_class;
       Trailer* t = TrailerOf(*produced->segment);
-      if (!t->producer_released.load() && CasState(t, kFree, kWriting)) {
-        t->sequence.fetch_add(1);
+      uint64_t word = t->word.load();
+      if (!t->producer_released.load() && StateOf(word) == kFree &&
+          t->word.compare_exchange_strong(word, Word(SequenceOf(word) + 1, kWriting))) {
         produced->last_used = Clock::now();
-        return std::make_unique<LeaseImpl>(produced, /*fresh=*/false, /*pooled=*/true);
+        return std::make_unique<LeaseImpl>(produced, SequenceOf(word) + 1, /*fresh=*/false,
+                                           /*pooled=*/true);
       }
     }
+    for (const uint64_t reserved : pool.creating) {
+      kept_bytes += reserved;
+      of_class += reserved == capacity ? 1 : 0;
+    }
     pooled = of_class < kPooledPerClass && kept_bytes + capacity <= kMaxPooledBytes;
+    if (pooled) pool.creating.push_back(capacity);  // (other threads count it in meanwhile)
   }
+  // Ends the reservation; adds the segment to the pool if it is one.
+  const auto settle = [&](const std::shared_ptr<ProducedSegment>& made) noexcept {
+    std::lock_guard<std::mutex> lock(state->mu);
+    auto& pool = state->pools[{consumer.pid, consumer.start_time}];
+    pool.consumer = consumer;
+    const auto it = std::find(pool.creating.begin(), pool.creating.end(), capacity);
+    if (it != pool.creating.end()) pool.creating.erase(it);
+    if (made) pool.segments.push_back(made);
+  };
+  const bool reserved = pooled;
   const uint64_t exact = (bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
   auto produced = std::make_shared<ProducedSegment>();
-  produced->name = shm::NewSegmentName(consumer);  // the consumer's: its death reaps it
-  before_create(produced->name);
-  for (;;) {
-    produced->capacity = pooled ? capacity : exact;
-    try {
-      produced->segment = shm::Segment::Create(produced->name, produced->capacity + kTrailerBytes,
-                                               /*populate=*/true);
-      break;
-    } catch (const FutureError&) {
-      // No room for the size class's capacity (up to 25 % more): the value alone may fit.
-      if (!pooled || capacity == exact) throw;
-      pooled = false;
+  try {
+    produced->name = shm::NewSegmentName(consumer);  // the consumer's: its death reaps it
+    before_create(produced->name);
+    for (;;) {
+      produced->capacity = pooled ? capacity : exact;
+      try {
+        produced->segment = shm::Segment::Create(
+            produced->name, produced->capacity + kTrailerBytes, /*populate=*/true);
+        break;
+      } catch (const FutureError&) {
+        // No room for the size class's capacity (up to 25 % more): the value alone may fit.
+        if (!pooled || capacity == exact) throw;
+        pooled = false;
+      }
     }
+  } catch (...) {
+    if (reserved) settle(nullptr);
+    throw;
   }
   auto* t = new (TrailerOf(*produced->segment)) Trailer();
   const auto self = shm::Self();
@@ -191,17 +241,11 @@ std::unique_ptr<Lease> Acquire(const shm::ProcessId& consumer, uint64_t bytes,
   t->producer_pid = self.pid;
   t->producer_start = self.start_time;
   t->pooled = pooled ? 1 : 0;
-  t->sequence.store(1);
-  t->state.store(kWriting);
+  t->word.store(Word(1, kWriting));
   t->magic = kTrailerMagic;
   produced->last_used = Clock::now();
-  if (pooled) {
-    std::lock_guard<std::mutex> lock(state->mu);
-    auto& pool = state->pools[{consumer.pid, consumer.start_time}];
-    pool.consumer = consumer;
-    pool.segments.push_back(produced);
-  }
-  return std::make_unique<LeaseImpl>(std::move(produced), /*fresh=*/true, pooled);
+  if (reserved) settle(pooled ? produced : nullptr);
+  return std::make_unique<LeaseImpl>(std::move(produced), 1, /*fresh=*/true, pooled);
 }
 
 Received Receive(const std::string& name, uint64_t sequence, uint64_t bytes) {
@@ -231,32 +275,37 @@ Received Receive(const std::string& name, uint64_t sequence, uint64_t bytes) {
     }
     entry = std::make_shared<ReceivedSegment>();
     entry->producer = shm::InThisNamespace(t->producer_pid, t->producer_start);
+    entry->pooled = t->pooled != 0;  // (read once: the producer can write the trailer anytime)
     entry->segment = std::move(segment);
     entry->name = name;
     entry->receiver_pid = shm::CurrentPid();
   }
   Trailer* t = TrailerOf(*entry->segment);
-  if (bytes > t->capacity) throw corrupt("is smaller than the value");
-  if (t->sequence.load() != sequence || !CasState(t, kPublished, kInUse)) {
+  if (bytes > entry->segment->size() - kTrailerBytes) throw corrupt("is smaller than the value");
+  if (!MoveValue(t, sequence, kPublished, kInUse)) {
     throw corrupt("does not hold this value (it was withdrawn or reused)");
   }
   {
     std::lock_guard<std::mutex> lock(state->mu);
     entry->last_used = Clock::now();
-    if (t->pooled && !entry->cached) {
+    if (entry->pooled && !entry->cached) {
       entry->cached = true;
       state->received[name] = entry;
     }
   }
   // The view's end: free for the producer's next value, unless either side gave it up.
-  std::shared_ptr<void> keep_alive(entry.get(), [entry](void*) {
+  std::shared_ptr<void> keep_alive(entry.get(), [entry, sequence](void*) {
     if (shm::CurrentPid() != entry->receiver_pid) return;
     Trailer* t = TrailerOf(*entry->segment);
     State* s = state;
     std::lock_guard<std::mutex> lock(s->mu);
     entry->last_used = Clock::now();
-    if (entry->cached && !t->producer_released.load() && CasState(t, kInUse, kFree)) return;
-    t->state.store(kRetired);
+    t->freed_at_ns.store(NowNs(entry->last_used));
+    if (entry->cached && !t->producer_released.load() &&
+        MoveValue(t, sequence, kInUse, kFree)) {
+      return;
+    }
+    MoveValue(t, sequence, kInUse, kRetired);
     if (entry->cached) {
       entry->cached = false;
       s->received.erase(entry->name);  // (the mapping goes with the last reference: here)
@@ -271,9 +320,7 @@ void Discard(const std::string& name) noexcept {
   const auto it = state->received.find(name);
   if (it == state->received.end()) return;
   Trailer* t = TrailerOf(*it->second->segment);
-  const uint32_t now_state = t->state.load();
-  if (now_state != kWriting && now_state != kPublished) return;
-  t->state.store(kRetired);
+  if (!Move(t, kWriting, kRetired) && !Move(t, kPublished, kRetired)) return;
   it->second->cached = false;
   dropped = std::move(it->second);
   state->received.erase(it);
@@ -281,6 +328,7 @@ void Discard(const std::string& name) noexcept {
 
 bool Sweep(Clock::time_point now, const std::function<bool(const shm::ProcessId&)>& alive) {
   const auto idle = std::chrono::milliseconds(idle_ms.load());
+  const int64_t idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(idle).count();
   std::vector<std::shared_ptr<ProducedSegment>> dropped_produced;  // unmapped outside mu
   std::vector<std::shared_ptr<ReceivedSegment>> dropped_received;
   bool any = false;
@@ -297,11 +345,11 @@ bool Sweep(Clock::time_point now, const std::function<bool(const shm::ProcessId&
         if (!consumer_alive) {
           shm::Unlink(produced->name);  // (never received: still named)
           drop = true;
-        } else if (t->state.load() == kRetired) {
+        } else if (StateOf(t) == kRetired) {
           drop = true;
-        } else if (now - produced->last_used >= idle) {
+        } else if (now - produced->last_used >= idle && NowNs(now) - t->freed_at_ns >= idle_ns) {
           // Free: retired for both. In use: the consumer retires it when its view goes.
-          drop = CasState(t, kFree, kRetired) || t->state.load() == kInUse;
+          drop = Move(t, kFree, kRetired) || StateOf(t) == kInUse;
         }
         if (drop) {
           t->producer_released.store(1);
@@ -311,21 +359,21 @@ bool Sweep(Clock::time_point now, const std::function<bool(const shm::ProcessId&
           ++it;
         }
       }
-      pool_it = list.empty() ? state->pools.erase(pool_it) : std::next(pool_it);
+      pool_it = list.empty() && pool.creating.empty() ? state->pools.erase(pool_it)
+                                                      : std::next(pool_it);
     }
     for (auto it = state->received.begin(); it != state->received.end();) {
       auto& entry = it->second;
       Trailer* t = TrailerOf(*entry->segment);
-      const uint32_t now_state = t->state.load();
+      const uint32_t now_state = StateOf(t);
       bool drop = now_state == kRetired;
       if (!drop && (t->producer_released.load() || now - entry->last_used >= idle)) {
-        drop = CasState(t, kFree, kRetired);
+        drop = Move(t, kFree, kRetired);
       }
       // A dead producer writes nothing more into it. (A value it published stays until taken;
       // one it died writing is discarded when its pair breaks.)
       if (!drop && now_state != kInUse && now_state != kPublished && !alive(entry->producer)) {
-        t->state.store(kRetired);
-        drop = true;
+        drop = Move(t, now_state, kRetired);
       }
       if (drop) {
         entry->cached = false;

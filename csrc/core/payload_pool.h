@@ -4,22 +4,26 @@
 // producer creates one (mode 0600, space reserved, pre-faulted), named for the consumer process
 // (whose death then gets it reaped), and publishes its name in the pair's control block. The
 // consumer maps it when it first receives a value in it and unlinks the name at once: from then
-// on both processes keep their mappings and nothing of it is in /dev/shm. Later values from that
+// on both processes keep their mappings and no name of it is in /dev/shm (its pages still count
+// against /dev/shm's size while either maps it). Later values from that
 // producer process to that consumer process are written into it again, once the consumer's view
 // of the previous value is gone: the copy lands in pages both sides have mapped and touched.
 //
-// The trailer's state word says whose turn it is:
+// The trailer's state word holds the value's number in the segment and whose turn it is:
 //   writing (producer) -> published -> in use (the consumer's tensor views it)
-//     -> free (view gone: the producer may write the next value) -> writing ...
-//   and, from free (or from in use, when the view goes), retired: dropped by both sides.
-// Only compare-and-swaps move it, so a producer never writes into a live view.
+//     -> free (view gone: the producer may write the next value, number + 1) -> writing ...
+//   and retired (dropped by both sides): from free or in use when either side gives it up, from
+//   writing or published when the value can never be taken.
+// Only compare-and-swaps from a word naming the value move it: a producer never writes into a
+// live view, and nobody acts on a value that is no longer there.
 //
 // Bounds. Per (producer process, consumer process), segments are kept per size class (capacity
 // rounded up to 4, 5, 6 or 7 x a power of two, at least 64 KiB): at most kPooledPerClass of a
 // class and kMaxPooledBytes in all. A value that finds no free segment of its class and no room
-// gets a one-off segment (exactly its size), dropped after use. A segment idle for IdleMs() is
-// retired by whichever side notices first, and so is every segment of a peer that died; the file
-// kind's watcher thread runs Sweep() while any is kept.
+// gets a one-off segment (exactly its size), dropped after use; so does one whose class capacity
+// does not fit in /dev/shm when the value alone does. A segment unused for IdleMs() (neither
+// written nor viewed) is retired by whichever side notices first, and so is every segment of a
+// peer that died; the file kind's watcher thread runs Sweep() while any is kept.
 //
 // Thread-safety: every function may be called from any thread.
 #pragma once
@@ -83,7 +87,7 @@ Received Receive(const std::string& name, uint64_t sequence, uint64_t bytes);
 void Discard(const std::string& name) noexcept;
 
 // Retires what has been idle for IdleMs() and what belongs to dead peers (`alive` tells);
-// returns whether this process still keeps any segment (the watcher runs while it does).
+// returns whether this process still keeps any segment (the watcher runs while AnyKept()).
 bool Sweep(std::chrono::steady_clock::time_point now,
            const std::function<bool(const shm::ProcessId&)>& alive);
 bool AnyKept();

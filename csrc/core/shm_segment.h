@@ -7,7 +7,8 @@
 // only), and 128 random bits (so that nobody can guess a name).
 // They are created exclusively (O_EXCL) with mode 0600, their space reserved up front (a full
 // /dev/shm is an error at creation, not a SIGBUS at first write), and checked on open: a regular
-// file of this user, mode 0600, of the expected size.
+// file of this user, mode 0600, of the expected size (or, for payloads, of a size checked
+// against their trailer).
 //
 // Thread-safety: every function may be called from any thread.
 #pragma once

@@ -85,10 +85,11 @@ std::string TensorCodec::Header(const at::Tensor& value, size_t* payload_bytes) 
 
 void TensorCodec::WritePayload(const at::Tensor& value, void* payload,
                                size_t payload_bytes) const {
-  if (value.is_non_overlapping_and_dense() && !value.is_conj() && !value.is_neg()) {
+  if (value.is_non_overlapping_and_dense() && !value.is_conj() && !value.is_neg() &&
+      !value._is_zerotensor()) {
     // Its elements fill [data, data + payload_bytes) in the payload's order (strides >= 0), and
-    // no lazy conjugation or negation is pending: one memcpy, at memory bandwidth, instead of an
-    // element-wise copy.
+    // no lazy conjugation or negation is pending (nor is it a ZeroTensor, which has no data):
+    // one memcpy, at memory bandwidth, instead of an element-wise copy.
     TORCH_INTERNAL_ASSERT(payload_bytes == static_cast<size_t>(value.nbytes()));
     std::memcpy(payload, value.const_data_ptr(), payload_bytes);
     return;
