@@ -829,6 +829,31 @@ def test_a_producer_does_not_grow_with_the_promises_it_served():
                               f"({growth / 20_000:.0f} bytes a promise)")
 
 
+def dtorch_page_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum("/dev/shm/dtorch_" in line for line in maps)
+
+
+@pytest.mark.timeout(120)
+def test_promises_deserialized_ahead_map_at_most_4096_control_segments():
+    """Deserializing maps a promise's control segment ahead of its first use (so that setting it
+    makes no system call for it), up to 4096 at a time per process; beyond, promises attach on
+    first use. Both kinds work."""
+    pairs = [file_pair() for _ in range(5000)]
+    before = dtorch_page_mappings()
+    copies = [dtorch_ops.TensorPromise.from_serialized(promise.serialize())
+              for promise, _ in pairs]
+    assert dtorch_page_mappings() - before == 4096
+    for i in (0, 4999):  # mapped ahead; attached on first use
+        dtorch_ops.get_tensor(torch.full((4,), float(i)), copies[i])
+        assert pairs[i][1].wait(WAIT_MS).tolist() == [float(i)] * 4
+    del copies
+    gc.collect()
+    # (Left: a payload segment, mapped by both ends, and the consumer's doorbell, which the
+    # producer's end keeps mapped for a while.)
+    assert dtorch_page_mappings() - before <= 3
+
+
 @pytest.mark.timeout(120)
 def test_10000_pending_futures_cost_at_most_one_thread():
     """Pending file futures share one doorbell watcher thread; dropped, they leave nothing."""

@@ -15,6 +15,7 @@
 #include <optional>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -191,6 +192,20 @@ FutureError InvalidSegment(const std::string& name, const std::string& why) {
 
 // Runs the watcher while this process keeps payload segments (it releases them when idle).
 void WatchKeptPayloads() noexcept;
+
+// The payload of the value published in `block` (this process being its consumer): received
+// (mapped, on first receipt, and its name unlinked). Null for a value without one.
+std::tuple<void*, size_t, std::shared_ptr<void>> ReceivePublished(const FileControlBlock* block) {
+  const size_t payload_bytes = block->payload_bytes;
+  if (payload_bytes == 0) return {nullptr, 0, nullptr};
+  const std::string name = PayloadNameIn(block);
+  if (name.empty()) {
+    throw FutureError(FutureErrc::kInvalidHandle, "the published payload's name is corrupt");
+  }
+  auto received = payload::Receive(name, block->payload_sequence, payload_bytes);
+  WatchKeptPayloads();
+  return {received.data, payload_bytes, std::move(received.keep_alive)};
+}
 
 // ---------------------------------------------------------------------------------------------
 // Completing: what the creator's handle and a producer's attachment share.
@@ -417,7 +432,7 @@ class ConsumerImpl final : public FileConsumer {
     } else if (Phase(state) == kValue && !retrieved_) {
       // Published, never taken: received and dropped, so that its segment is free again.
       try {
-        ReceivePayload();
+        ReceivePublished(block());
       } catch (...) {
       }
     }
@@ -516,7 +531,7 @@ class ConsumerImpl final : public FileConsumer {
     }
     value.header.assign(b->header, header_bytes);
     try {
-      std::tie(value.payload, value.payload_bytes, value.keep_alive) = ReceivePayload();
+      std::tie(value.payload, value.payload_bytes, value.keep_alive) = ReceivePublished(b);
     } catch (...) {
       UnlinkAll();
       throw;
@@ -650,21 +665,6 @@ class ConsumerImpl final : public FileConsumer {
     if (Phase(expected) == kClaimed) DiscardPayloadOfDeadProducer(b);
     ChannelBase(control_, kConsumerClaimant, doorbell_).PublishError({code, detail});
     NotifyReady();
-  }
-
-  // The payload of the published value: received (mapped, on first receipt, and its name
-  // unlinked). Null for a value without one.
-  std::tuple<void*, size_t, std::shared_ptr<void>> ReceivePayload() const {
-    auto* b = block();
-    const size_t payload_bytes = b->payload_bytes;
-    if (payload_bytes == 0) return {nullptr, 0, nullptr};
-    const std::string name = PayloadNameIn(b);
-    if (name.empty()) {
-      throw FutureError(FutureErrc::kInvalidHandle, "the published payload's name is corrupt");
-    }
-    auto received = payload::Receive(name, b->payload_sequence, payload_bytes);
-    WatchKeptPayloads();
-    return {received.data, payload_bytes, std::move(received.keep_alive)};
   }
 
   // Once the value is taken (or can no longer be): the control segment goes. A producer still
@@ -851,8 +851,16 @@ void CheckOrphanPayloads(ProcessState& state,
       still_writing.push_back(std::move(orphan));
       continue;
     }
-    // Finished (it withdrew its payload: nothing left to do) or died writing.
-    if (Phase(b->state.load()) == kClaimed) DiscardPayloadOfDeadProducer(b);
+    // Died writing; or finished, and withdrew its payload, unless it died before it could: a
+    // value nobody will take is received and dropped (a no-op if it was withdrawn).
+    const uint32_t phase = Phase(b->state.load());
+    if (phase == kClaimed) DiscardPayloadOfDeadProducer(b);
+    if (phase == kValue) {
+      try {
+        ReceivePublished(b);
+      } catch (...) {
+      }
+    }
   }
   std::lock_guard<std::mutex> lock(state.mu);
   for (auto& orphan : still_writing) state.orphans.push_back(std::move(orphan));
@@ -926,12 +934,29 @@ FileHandle FileHandle::Parse(std::string_view rest, std::string_view expected_ty
   return handle;
 }
 
+// Control segments mapped ahead (MapFileControlSegment) and still mapped, at most
+// kMaxMappedAhead: a process holding many promises it never uses keeps far from the kernel's
+// limit on mappings (vm.max_map_count, 65530 by default); beyond, promises attach lazily.
+std::atomic<int64_t> mapped_ahead{0};
+constexpr int64_t kMaxMappedAhead = 4096;
+
 std::shared_ptr<shm::Segment> MapFileControlSegment(const FileHandle& handle) noexcept {
-  try {
-    return shm::Segment::Open(handle.segment, kSegmentBytes);
-  } catch (...) {
+  if (mapped_ahead.fetch_add(1) >= kMaxMappedAhead) {
+    --mapped_ahead;
     return nullptr;
   }
+  try {
+    std::unique_ptr<shm::Segment> segment = shm::Segment::Open(handle.segment, kSegmentBytes);
+    if (segment) {
+      return std::shared_ptr<shm::Segment>(segment.release(), [](shm::Segment* mapped) {
+        delete mapped;
+        --mapped_ahead;
+      });
+    }
+  } catch (...) {
+  }
+  --mapped_ahead;
+  return nullptr;
 }
 
 std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,

@@ -265,7 +265,7 @@ Received Receive(const std::string& name, uint64_t sequence, uint64_t bytes) {
       throw FutureError(FutureErrc::kSharedMemory,
                         "the value's payload segment /dev/shm/" + name + " is gone");
     }
-    shm::Unlink(name);  // mapped here and by its producer: the name is no longer needed
+    // (Checked before its name goes: a name that is not a payload's is left alone.)
     if (segment->size() <= kTrailerBytes || segment->size() % kPageBytes != 0) {
       throw corrupt("has a bad size");
     }
@@ -273,6 +273,7 @@ Received Receive(const std::string& name, uint64_t sequence, uint64_t bytes) {
     if (t->magic != kTrailerMagic || t->capacity != segment->size() - kTrailerBytes) {
       throw corrupt("has no payload trailer of this format");
     }
+    shm::Unlink(name);  // mapped here and by its producer: the name is no longer needed
     entry = std::make_shared<ReceivedSegment>();
     entry->producer = shm::InThisNamespace(t->producer_pid, t->producer_start);
     entry->pooled = t->pooled != 0;  // (read once: the producer can write the trailer anytime)
