@@ -193,6 +193,12 @@ FutureError InvalidSegment(const std::string& name, const std::string& why) {
 // Runs the watcher while this process keeps payload segments (it releases them when idle).
 void WatchKeptPayloads() noexcept;
 
+// Drops a control segment's mapping. If this is its last reference, the munmap is left to the
+// watcher's next round (the caller being, mostly, a thread that just took or set a value: an
+// munmap in a process with several threads costs a TLB shootdown, 10-20 us on these VMs); done
+// here when no watcher runs. Never call it holding ProcessState::mu.
+void RetireMapping(std::shared_ptr<shm::Segment> segment) noexcept;
+
 // The payload of the value published in `block` (this process being its consumer): received
 // (mapped, on first receipt, and its name unlinked). Null for a value without one.
 std::tuple<void*, size_t, std::shared_ptr<void>> ReceivePublished(const FileControlBlock* block) {
@@ -215,6 +221,7 @@ class ChannelBase : public FileChannel {
   ChannelBase(std::shared_ptr<shm::Segment> control, uint32_t claimant,
               std::shared_ptr<shm::Segment> doorbell)
       : control_(std::move(control)), claimant_(claimant), doorbell_(std::move(doorbell)) {}
+  ~ChannelBase() override { RetireMapping(std::move(control_)); }
 
   ClaimOutcome TryClaim() override {
     uint32_t state = State(kPending, 0);
@@ -310,7 +317,7 @@ class ChannelBase : public FileChannel {
     return true;
   }
 
-  const std::shared_ptr<shm::Segment> control_;
+  std::shared_ptr<shm::Segment> control_;  // (moved out only by the destructor)
   const uint32_t claimant_;
   const std::shared_ptr<shm::Segment> doorbell_;
 };
@@ -367,6 +374,8 @@ struct ProcessState {
   bool stopping = false;
   // Wakes a watcher that has no doorbell (the process keeps payloads but has no pending pair).
   std::atomic<uint32_t> wake{0};
+  // Control segments to unmap on the watcher's next round (RetireMapping).
+  std::vector<std::shared_ptr<shm::Segment>> retired_mappings;
   // This process's producer attachments, by control segment.
   std::map<std::string, std::weak_ptr<ProducerAttachment>> attachments;
   size_t attachments_after_sweep = 0;
@@ -422,20 +431,8 @@ class ConsumerImpl final : public FileConsumer {
         forks_at_creation_(forks_in_parent.load()) {}
 
   ~ConsumerImpl() override {
-    if (!InCreatorProcess()) return;  // a forked child's copy: the pair is the parent's
-    UnlinkAll();  // sets kConsumerGone first
-    // Closed: a producer that attached already claims nothing now (and makes no payload).
-    uint32_t state = State(kPending, 0);
-    if (block()->state.compare_exchange_strong(state, State(kClaimed, kConsumerClaimant))) return;
-    if (ClaimingProducer(block(), state)) {
-      AdoptOrphanPayload(control_);  // a producer is writing it now
-    } else if (Phase(state) == kValue && !retrieved_) {
-      // Published, never taken: received and dropped, so that its segment is free again.
-      try {
-        ReceivePublished(block());
-      } catch (...) {
-      }
-    }
+    if (InCreatorProcess()) Close();  // (else a forked child's copy: the pair is the parent's)
+    RetireMapping(std::move(control_));
   }
 
   bool Pending() const { return !IsDone(block()->state.load()); }
@@ -647,6 +644,23 @@ class ConsumerImpl final : public FileConsumer {
 
   void NotifyReady() const { ready_->TryComplete(Result<Unit>::Value({})); }
 
+  // The pair's handles are gone: nothing more happens to it.
+  void Close() {
+    UnlinkAll();  // sets kConsumerGone first
+    // Closed: a producer that attached already claims nothing now (and makes no payload).
+    uint32_t state = State(kPending, 0);
+    if (block()->state.compare_exchange_strong(state, State(kClaimed, kConsumerClaimant))) return;
+    if (ClaimingProducer(block(), state)) {
+      AdoptOrphanPayload(control_);  // a producer is writing it now
+    } else if (Phase(state) == kValue && !retrieved_) {
+      // Published, never taken: received and dropped, so that its segment is free again.
+      try {
+        ReceivePublished(block());
+      } catch (...) {
+      }
+    }
+  }
+
   ErrorInfo ReadError() const {
     auto* b = block();
     const uint32_t code = b->error_code;
@@ -675,7 +689,7 @@ class ConsumerImpl final : public FileConsumer {
     shm::Unlink(handle_.segment);
   }
 
-  const std::shared_ptr<shm::Segment> control_;
+  std::shared_ptr<shm::Segment> control_;  // (moved out only by the destructor)
   const FileHandle handle_;
   const std::shared_ptr<shm::Segment> doorbell_;
   const int32_t creator_pid_;
@@ -701,10 +715,12 @@ void RunWatcher(ProcessState* state) {
     std::shared_ptr<shm::Segment> doorbell_segment;
     std::vector<std::shared_ptr<ConsumerImpl>> consumers;
     std::vector<std::shared_ptr<shm::Segment>> unmapped_doorbells;  // (outside mu)
+    std::vector<std::shared_ptr<shm::Segment>> retired;                // (outside mu)
     uint32_t seen = 0;
     {
       std::lock_guard<std::mutex> lock(state->mu);
       if (state->stopping) break;
+      retired.swap(state->retired_mappings);
       doorbell_segment = state->doorbell;
       // Read before the pairs are checked: a ring after this is not missed.
       seen = doorbell_segment ? AsDoorbell(doorbell_segment)->rings.load() : state->wake.load();
@@ -766,11 +782,14 @@ void RunWatcher(ProcessState* state) {
     if (!done.empty()) {
       std::lock_guard<std::mutex> lock(state->mu);
       auto& list = state->consumers;
+      // (Compared without locking the weak pointers: a shared_ptr made here could be the last
+      // one, and its destructor takes mu.)
       list.erase(std::remove_if(list.begin(), list.end(),
                                 [&](const std::weak_ptr<ConsumerImpl>& weak) {
-                                  auto consumer = weak.lock();
-                                  return !consumer || std::find(done.begin(), done.end(),
-                                                                consumer) != done.end();
+                                  return weak.expired() ||
+                                         std::any_of(done.begin(), done.end(), [&](auto& d) {
+                                           return !weak.owner_before(d) && !d.owner_before(weak);
+                                         });
                                 }),
                  list.end());
     }
@@ -789,6 +808,24 @@ void RunWatcher(ProcessState* state) {
   std::lock_guard<std::mutex> lock(state->mu);
   state->watcher_running = false;
   state->watcher_exited.notify_all();
+}
+
+void RetireMapping(std::shared_ptr<shm::Segment> segment) noexcept {
+  if (!segment || segment.use_count() > 1) return;  // (mapped for others still)
+  ProcessState& state = *process_state;
+  std::unique_lock<std::mutex> lock(state.mu);
+  if (state.watcher_running && !state.stopping && state.retired_mappings.size() < 256) {
+    state.retired_mappings.push_back(std::move(segment));
+    // A batch: the watcher unmaps it now rather than at its next liveness round.
+    if (state.retired_mappings.size() == 64) {
+      if (state.doorbell) Ring(AsDoorbell(state.doorbell));
+      state.wake.fetch_add(1);
+      shm::FutexWakeAll(&state.wake);
+    }
+    return;
+  }
+  lock.unlock();
+  segment.reset();
 }
 
 void WatchKeptPayloads() noexcept {
@@ -1094,6 +1131,7 @@ void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept {
     shm::FutexWakeAll(&state.wake);
     state.watcher_exited.wait_until(lock, deadline, [&] { return !state.watcher_running; });
     consumers = LiveConsumersLocked(state);
+    state.retired_mappings.clear();  // (unmapped: the watcher has stopped, or is stuck)
     for (auto& orphan : state.orphans) {
       DiscardPayloadOfDeadProducer(static_cast<FileControlBlock*>(orphan.control->data()));
     }
@@ -1150,6 +1188,7 @@ void AfterForkFileKindInChild() noexcept {
   parents->doorbell.reset();
   parents->orphans.clear();
   parents->doorbells.clear();
+  parents->retired_mappings.clear();
 }
 
 int FileWatcherThreads() {
