@@ -212,12 +212,12 @@ def test_reuse_under_churn_10000_values_of_mixed_sizes(server):
 
 @pytest.mark.parametrize("attempt", range(3))
 def test_producer_killed_while_copying_into_a_reused_segment(attempt):
-    if shutil.disk_usage("/dev/shm").free < 512 << 20:
-        pytest.skip("/dev/shm has no room for two 128 MiB values")
     """A 128 MiB value, taken and dropped (its segment mapped on both sides and free), then the
     next one, whose producer is SIGKILLed at a random moment of copying it into that segment
     (which takes 10-15 ms here): the future yields the value or fails with "producer died"; the
     consumer then drops the dead producer's segment, and nothing is left in /dev/shm."""
+    if shutil.disk_usage("/dev/shm").free < 512 << 20:
+        pytest.skip("/dev/shm has no room for two 128 MiB values")
     numel = 32 << 20
     seed = random.randrange(2**32)
     with Server() as child:

@@ -3,6 +3,7 @@
 #include "file_kind.h"
 
 #include <pthread.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -156,11 +157,20 @@ std::string PayloadNameIn(const FileControlBlock* block) {
   return name;
 }
 
+// Whether `name` (of this process's name form, from a block a producer wrote) may be a payload
+// segment: not one page, the size of this process's control segments and doorbell, which a
+// corrupt name must not get unlinked. (A payload a producer died creating may be empty.)
+bool MayBePayload(const std::string& name) {
+  struct stat info {};
+  return stat(("/dev/shm/" + name).c_str(), &info) == 0 &&
+         static_cast<uint64_t>(info.st_size) != kSegmentBytes;
+}
+
 // The pair's producer died before publishing: what it was writing goes.
 void DiscardPayloadOfDeadProducer(const FileControlBlock* block) {
   const std::string name = PayloadNameIn(block);
   if (name.empty()) return;
-  shm::Unlink(name);  // (a new segment, still named)
+  if (MayBePayload(name)) shm::Unlink(name);  // (a new segment, still named)
   payload::Discard(name);  // (one this process mapped already)
 }
 
@@ -617,7 +627,8 @@ class ConsumerImpl final : public FileConsumer {
         std::lock_guard<std::mutex> lock(mu_);
         taken = retrieved_;
       }
-      if (!taken) shm::Unlink(PayloadNameIn(block()));  // (named still, if it is a new segment)
+      const std::string name = taken ? std::string() : PayloadNameIn(block());
+      if (!name.empty() && MayBePayload(name)) shm::Unlink(name);  // (a new segment: named)
     }
     UnlinkAll();
   }
@@ -795,6 +806,8 @@ void RunWatcher(ProcessState* state) {
     }
     consumers.clear();  // outside mu: a last reference may unlink segments
     done.clear();
+    retired.clear();  // (unmapped now, not after the sleep)
+    unmapped_doorbells.clear();
     const auto sleep = std::max<Clock::duration>(next_liveness - Clock::now(), milliseconds(1));
     if (doorbell_segment) {
       auto* doorbell = AsDoorbell(doorbell_segment);
@@ -815,7 +828,13 @@ void RetireMapping(std::shared_ptr<shm::Segment> segment) noexcept {
   ProcessState& state = *process_state;
   std::unique_lock<std::mutex> lock(state.mu);
   if (state.watcher_running && !state.stopping && state.retired_mappings.size() < 256) {
-    state.retired_mappings.push_back(std::move(segment));
+    try {
+      state.retired_mappings.push_back(std::move(segment));
+    } catch (...) {  // (out of memory: unmapped here)
+      lock.unlock();
+      segment.reset();
+      return;
+    }
     // A batch: the watcher unmaps it now rather than at its next liveness round.
     if (state.retired_mappings.size() == 64) {
       if (state.doorbell) Ring(AsDoorbell(state.doorbell));
@@ -982,18 +1001,23 @@ std::shared_ptr<shm::Segment> MapFileControlSegment(const FileHandle& handle) no
     --mapped_ahead;
     return nullptr;
   }
+  std::unique_ptr<shm::Segment> segment;
   try {
-    std::unique_ptr<shm::Segment> segment = shm::Segment::Open(handle.segment, kSegmentBytes);
-    if (segment) {
-      return std::shared_ptr<shm::Segment>(segment.release(), [](shm::Segment* mapped) {
-        delete mapped;
-        --mapped_ahead;
-      });
-    }
+    segment = shm::Segment::Open(handle.segment, kSegmentBytes);
   } catch (...) {
   }
-  --mapped_ahead;
-  return nullptr;
+  if (!segment) {
+    --mapped_ahead;
+    return nullptr;
+  }
+  try {
+    return std::shared_ptr<shm::Segment>(segment.release(), [](shm::Segment* mapped) {
+      delete mapped;
+      --mapped_ahead;
+    });
+  } catch (...) {  // (out of memory: the deleter ran)
+    return nullptr;
+  }
 }
 
 std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
@@ -1114,6 +1138,8 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
   block->layout_version = kLayoutVersion;
   block->magic = kControlMagic;  // last: a producer checks it first
 
+  // (Room first: a consumer destroyed here, under mu, would take mu in its destructor.)
+  state.consumers.reserve(state.consumers.size() + 1);
   auto consumer = std::make_shared<ConsumerImpl>(std::move(control), std::move(handle),
                                                  std::move(doorbell));
   state.consumers.push_back(consumer);
