@@ -166,12 +166,18 @@ bool MayBePayload(const std::string& name) {
          static_cast<uint64_t>(info.st_size) != kSegmentBytes;
 }
 
+// Unlinks the payload segment the block names if it is still named (a new segment nobody has
+// received); returns its name ("" when there is none, or it is corrupt).
+std::string UnlinkNamedPayload(const FileControlBlock* block) {
+  const std::string name = PayloadNameIn(block);
+  if (!name.empty() && MayBePayload(name)) shm::Unlink(name);
+  return name;
+}
+
 // The pair's producer died before publishing: what it was writing goes.
 void DiscardPayloadOfDeadProducer(const FileControlBlock* block) {
-  const std::string name = PayloadNameIn(block);
-  if (name.empty()) return;
-  if (MayBePayload(name)) shm::Unlink(name);  // (a new segment, still named)
-  payload::Discard(name);  // (one this process mapped already)
+  const std::string name = UnlinkNamedPayload(block);
+  if (!name.empty()) payload::Discard(name);  // (one this process mapped already)
 }
 
 bool ParseHex(std::string_view hex, unsigned char* out, size_t bytes) {
@@ -627,8 +633,7 @@ class ConsumerImpl final : public FileConsumer {
         std::lock_guard<std::mutex> lock(mu_);
         taken = retrieved_;
       }
-      const std::string name = taken ? std::string() : PayloadNameIn(block());
-      if (!name.empty() && MayBePayload(name)) shm::Unlink(name);  // (a new segment: named)
+      if (!taken) UnlinkNamedPayload(block());
     }
     UnlinkAll();
   }
