@@ -11,6 +11,11 @@ import time
 import torch
 
 import dtorch_ops
+from common import Anchor, Figure, Report, Target
+
+SECTION = "asyncio (memory kind)"
+SEED = "seed's 1 ms polling"
+FLOOR = "asyncio.Future + call_soon_threadsafe"
 
 
 async def _poll_seed(future):
@@ -31,7 +36,7 @@ def _job(delay, stamp, fire):
 
 
 async def _resume_latency(kind, samples, fresh_thread=False):
-    """Median us from the producer's set to the coroutine running again. The producer is one
+    """us from the producer's set to the coroutine running again, per sample. The producer is one
     long-lived worker thread (as in a service), handed each job through a queue, or with
     fresh_thread a new thread per value."""
     loop = asyncio.get_running_loop()
@@ -68,7 +73,7 @@ async def _resume_latency(kind, samples, fresh_thread=False):
     if thread is not None:
         jobs.put(None)
         thread.join()
-    return statistics.median(latencies)
+    return latencies
 
 
 async def _pending_cost(kind, n, seconds):
@@ -88,38 +93,45 @@ async def _pending_cost(kind, n, seconds):
     return cpu / wall * 100, threads
 
 
-def main(samples=100, pending=1000, seconds=1.0):
+def main(report, samples=100, pending=1000, seconds=1.0):
     async def run():
         lat = {}
         for _ in range(3):  # interleave
             for kind in ("ours", "seed", "floor"):
-                lat.setdefault(kind, []).append(await _resume_latency(kind, samples // 3 + 1))
-        lat = {k: statistics.median(v) for k, v in lat.items()}
+                lat.setdefault(kind, []).extend(await _resume_latency(kind, samples // 3 + 1))
         fresh = {}
         for _ in range(3):
             for kind in ("ours", "floor"):
-                fresh.setdefault(kind, []).append(
+                fresh.setdefault(kind, []).extend(
                     await _resume_latency(kind, samples // 3 + 1, fresh_thread=True))
-        fresh = {k: statistics.median(v) for k, v in fresh.items()}
-        print(f"\nasyncio: set_value on a worker thread -> awaiting coroutine resumed (us, median)")
-        print(f"  {'dtorch await (completion-driven)':>40}: {lat['ours']:9.1f} us")
-        print(f"  {'seed: is_ready() + asyncio.sleep(1 ms)':>40}: {lat['seed']:9.1f} us")
-        print(f"  {'floor: asyncio.Future + call_soon_threadsafe':>40}: {lat['floor']:9.1f} us")
-        print(f"  {'dtorch await, fresh setter thread':>40}: {fresh['ours']:9.1f} us")
-        print(f"  {'floor, fresh setter thread':>40}: {fresh['floor']:9.1f} us")
-        print(f"  => seed polling / dtorch await: {lat['seed'] / lat['ours']:.1f}x lower latency"
-              " (target >= 10x)")
-        print(f"  => dtorch await / floor, long-lived setter: {lat['ours'] / lat['floor']:.2f}x"
-              " (target <= 1.5x)")
-        print(f"  => dtorch await / floor, fresh setter thread: "
-              f"{fresh['ours'] / fresh['floor']:.2f}x (target <= 1.5x)")
+        med = {k: statistics.median(v) for k, v in lat.items()}
+        fresh_med = {k: statistics.median(v) for k, v in fresh.items()}
+        print("\nasyncio: set_value on a worker thread -> awaiting coroutine resumed (us, median)")
+        print(f"  {'dtorch await (completion-driven)':>40}: {med['ours']:9.1f} us")
+        print(f"  {'seed: is_ready() + asyncio.sleep(1 ms)':>40}: {med['seed']:9.1f} us")
+        print(f"  {'floor: asyncio.Future + call_soon_threadsafe':>40}: {med['floor']:9.1f} us")
+        print(f"  {'dtorch await, fresh setter thread':>40}: {fresh_med['ours']:9.1f} us")
+        print(f"  {'floor, fresh setter thread':>40}: {fresh_med['floor']:9.1f} us")
+        report.add(Figure(SECTION, "set_value on a long-lived worker thread -> await resumes",
+                          "us", "dtorch await (completion-driven)", lat["ours"],
+                          [Anchor(SEED, lat["seed"], Target(">=", 10, issue=3), inverse=True),
+                           Anchor(FLOOR, lat["floor"], Target("<=", 1.5, issue=9))]))
+        report.add(Figure(SECTION, "set_value on a fresh thread per value -> await resumes", "us",
+                          "dtorch await (completion-driven)", fresh["ours"],
+                          [Anchor(FLOOR, fresh["floor"], Target("<=", 1.5, issue=9))]))
         print(f"\nasyncio: {pending} awaits pending for {seconds:.1f} s")
+        cost = {}
         for kind, label in (("ours", "dtorch await"), ("seed", "seed polling")):
-            cpu_pct, threads = await _pending_cost(kind, pending, seconds)
-            print(f"  {label:>40}: {cpu_pct:5.1f}% of a core, {threads:+d} threads")
+            cost[kind] = await _pending_cost(kind, pending, seconds)
+            print(f"  {label:>40}: {cost[kind][0]:5.1f}% of a core, {cost[kind][1]:+d} threads")
+        report.add(Figure(SECTION, f"CPU while {pending} awaits are pending", "% of a core",
+                          "dtorch await", [cost["ours"][0]], [Anchor(SEED, [cost["seed"][0]])]))
+        report.add(Figure(SECTION, f"threads added while {pending} awaits are pending",
+                          "threads", "dtorch await", [cost["ours"][1]],
+                          [Anchor(SEED, [cost["seed"][1]])]))
 
     asyncio.run(run())
 
 
 if __name__ == "__main__":
-    main()
+    main(Report())

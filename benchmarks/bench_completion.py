@@ -16,7 +16,9 @@ import time
 import torch
 
 import dtorch_ops
+from common import Anchor, Figure, Report, Target
 
+SECTION = "Device completion (simulated device)"
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
@@ -48,14 +50,13 @@ def _anchor_us(work_us):
     return (time.monotonic_ns() - stamp) / 1e3
 
 
-def latency(samples_by_work):
+def latency(report, samples_by_work):
     """{work_us: samples} -> prints p50/p99 of ours (blocking wait and polling) and the anchor."""
     x = torch.ones(4, device="simdev")
     torch.ops.simdev.synchronize()
     print("\ncompletion -> wait() returns, simulated device (us; p50 / p99 over n samples)")
     print(f"  {'queued work':>12} {'n':>4} {'dtorch (blocking wait)':>24} {'anchor: 2-hop chain':>22}"
           f" {'ratio p50':>10} {'dtorch (polling)':>18}")
-    ratios = {}
     for work_us, samples in samples_by_work.items():
         blocking, anchor, polling = [], [], []
         for _ in range(samples):  # interleaved
@@ -68,15 +69,15 @@ def latency(samples_by_work):
                 torch.ops.simdev.set_blocking_wait(True)
         p50 = statistics.median(blocking)
         a50 = statistics.median(anchor)
-        ratios[work_us] = p50 / a50
         print(f"  {work_us / 1e3:>9.1f} ms {samples:>4} "
               f"{p50:>12.1f} / {_percentile(blocking, 0.99):>9.1f} "
               f"{a50:>11.1f} / {_percentile(anchor, 0.99):>8.1f} {p50 / a50:>9.2f}x "
               f"{statistics.median(polling):>8.1f} / {_percentile(polling, 0.99):>7.1f}")
-    worst = max(ratios.values())
-    print(f"  => completion lag vs a two-hop wake chain (p50, worst of the three): {worst:.2f}x "
-          f"(target <= 2x)")
-    return ratios
+        report.add(Figure(SECTION, f"completion -> wait() returns, after {work_us / 1e3:g} ms of "
+                          "queued work", "us", "dtorch, blocking wait", blocking,
+                          [Anchor("two-hop wake chain (simulated device)", anchor,
+                                  Target("<=", 2, issue=11)),
+                           Anchor("dtorch, polling with back-off (no blocking wait)", polling)]))
 
 
 def _library_thread_cpu_ns():
@@ -94,7 +95,7 @@ def _library_thread_cpu_ns():
     return total
 
 
-def cpu_while_pending(seconds):
+def cpu_while_pending(report, seconds):
     """Share of one core the library's threads use while a value waits for `seconds` of work."""
     x = torch.ones(4, device="simdev")
     print(f"\nlibrary threads' CPU while {seconds:g} s of device work is pending (% of one core)")
@@ -114,12 +115,15 @@ def cpu_while_pending(seconds):
             torch.ops.simdev.set_blocking_wait(True)
         shares[label] = (cpu1 - cpu0) / (wall1 - wall0) * 100
         print(f"  {label:>42}: {shares[label]:6.3f} %")
-    print(f"  => with a blocking wait: {shares['blocking wait (simdev registers one)']:.3f} % "
-          f"of a core (target <= 1 %)")
-    return shares
+    report.add(Figure(SECTION, f"library threads' CPU while {seconds:g} s of work is pending",
+                      "% of a core", "blocking wait (simdev registers one)",
+                      [shares["blocking wait (simdev registers one)"]],
+                      [Anchor("polling with back-off (no blocking wait)",
+                              [shares["polling with back-off (no blocking wait)"]])],
+                      target=Target("<=", 1, issue=11)))
 
 
-def threads_for_streams(streams=200):
+def threads_for_streams(report, streams=200):
     gates, futures = [], []
     for _ in range(streams):
         stream = torch.ops.simdev.new_stream()
@@ -134,19 +138,20 @@ def threads_for_streams(streams=200):
         torch.ops.simdev.release(gate)
     for future in futures:
         future.wait(60_000)
-    cap = dtorch_ops.config.max_detector_threads
-    print(f"\nthreads for {streams} streams with pending values: {detectors} detectors "
-          f"(target <= the cap, {cap})")
-    return detectors
+    print(f"\nthreads for {streams} streams with pending values: {detectors} detectors")
+    report.add(Figure(SECTION, f"detector threads for {streams} streams with pending values "
+                      "(the cap: config.max_detector_threads)", "threads", "detectors",
+                      [detectors], target=Target("<=", dtorch_ops.config.max_detector_threads,
+                                                 issue=11)))
 
 
-def main(samples=(300, 60, 12), seconds=1.0):
+def main(report, samples=(300, 60, 12), seconds=1.0):
     _simdev()
-    latency(dict(zip((100, 10_000, 100_000), samples)))
-    cpu_while_pending(seconds)
-    threads_for_streams()
+    latency(report, dict(zip((100, 10_000, 100_000), samples)))
+    cpu_while_pending(report, seconds)
+    threads_for_streams(report)
 
 
 if __name__ == "__main__":
     quick = os.environ.get("QUICK") == "1"
-    main(samples=(60, 10, 3) if quick else (300, 60, 12), seconds=0.3 if quick else 1.0)
+    main(Report(), samples=(60, 10, 3) if quick else (300, 60, 12), seconds=0.3 if quick else 1.0)

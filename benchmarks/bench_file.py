@@ -1,5 +1,6 @@
 """The "file" kind across two processes of this host: one-way latency of a 4 KiB tensor (blocked
-get and asyncio await), bandwidth at 1/64/512 MiB, and the cost of pending file futures.
+get and asyncio await), bandwidth at 1/64/512 MiB, and (memory(), run by bench_scale in a process
+of its own) the cost of pending file futures.
 
 This process is the consumer (it creates the pairs); one persistent producer process (spawn),
 started once, serves every case. One-way time = the consumer's CLOCK_MONOTONIC stamp just after
@@ -23,11 +24,15 @@ import torch
 import torch.multiprocessing as tmp
 
 import dtorch_ops
-from common import ratio_line
+from common import Anchor, Figure, Report, Target, proc_status_bytes
 
+SECTION = "File kind across processes"
+FILE_GET = "file kind, get()"  # our series in the latency and bandwidth figures (and the plot)
+QUEUE = "torch.multiprocessing.Queue"
 WAIT_S = 30.0  # bound on every wait of the consumer and the producer
 MiB = 1 << 20
 LATENCY_BYTES = 4096
+PIPE_MESSAGE = b"12345678"  # the pipe anchor's message
 PACE_S = 200e-6  # the producer's sleep between "go" and its stamp
 
 
@@ -87,7 +92,7 @@ def _producer(ctl, data, values):
                 elif how == "queue":
                     values.put(value)
                 else:  # pipe
-                    data.send_bytes(b"12345678")
+                    data.send_bytes(PIPE_MESSAGE)
                 calls.append(time.monotonic_ns() - stamp)
                 stamps.append(stamp)
                 if how == "file":
@@ -217,11 +222,11 @@ def _p90(values):
 # ---- 1 and 2: 4 KiB one-way latency ----
 
 
-def latency(producer, rounds, samples):
+def latency(report, producer, rounds, samples):
     cases = {"file": "file kind, consumer blocked in get()",
              "await": "file kind, consumer in `await f`",
              "queue": "anchor: torch.multiprocessing.Queue",
-             "pipe": "anchor: pipe ping (8-byte message)"}
+             "pipe": f"anchor: pipe ping ({len(PIPE_MESSAGE)}-byte message)"}
     for how in cases:  # warm-up: attach paths, the queue's feeder and resource sharer
         _batch(producer, how, LATENCY_BYTES, 5)  # (whose figures are dropped)
     times = {how: [] for how in cases}
@@ -246,13 +251,15 @@ def latency(producer, rounds, samples):
               f"(producer's send call: {call[how]:6.1f} us)")
     result = {"latency_us": {how: {"median": med[how], "p90": p90[how], "producer_call": call[how]}
                              for how in cases}}
-    result["queue_over_file"] = ratio_line(
-        "torch.multiprocessing.Queue / file get() (median; how many times faster)",
-        med["queue"], med["file"], "target >= 10x")
-    result["file_over_pipe"] = ratio_line("file get() / pipe one-way (median)", med["file"],
-                                          med["pipe"], "target <= 3x")
-    result["await_over_get"] = ratio_line("file await / file get() (median)", med["await"],
-                                          med["file"], "target <= 2x")
+    report.add(Figure(SECTION, "4 KiB one-way, consumer blocked in get()", "us", FILE_GET,
+                      times["file"],
+                      [Anchor(QUEUE, times["queue"], Target(">=", 10, issue=13), inverse=True),
+                       Anchor(f"pipe ping-pong ({len(PIPE_MESSAGE)}-byte message)",
+                              times["pipe"], Target("<=", 3, issue=13), size_independent=True)],
+                      size_bytes=LATENCY_BYTES))
+    report.add(Figure(SECTION, "4 KiB one-way, consumer in `await f`", "us", "file kind, await",
+                      times["await"],
+                      [Anchor(FILE_GET, times["file"], Target("<=", 2, issue=13))]))
     print("  library threads mid-run: " + "; ".join(f"{k}: {v}" for k, v in threads.items()))
     result["library_threads_mid_run"] = threads
     return result
@@ -269,7 +276,7 @@ def _memcpy_s(dst, src, nbytes):
     return (time.perf_counter_ns() - t0) / 1e9
 
 
-def bandwidth(producer, sizes_mib, repeats):
+def bandwidth(report, producer, sizes_mib, repeats):
     print(f"\nfile kind: bandwidth, producer's stamp before get_tensor -> consumer has the tensor "
           f"(GB/s; {repeats} values per size, interleaved; steady = median of values 2..n)")
     print("  (ours: the library's copy into the payload, one memcpy on the producer's thread; "
@@ -292,7 +299,9 @@ def bandwidth(producer, sizes_mib, repeats):
             seconds["memcpy"].append(_memcpy_s(dst, src, nbytes))
         del src, dst
         gbps = {how: [nbytes / s / 1e9 for s in v] for how, v in seconds.items()}
-        steady = {how: statistics.median(v[1:] if len(v) > 1 else v) for how, v in gbps.items()}
+        # Steady state: the first value of a size maps its payload (or, for memcpy, warms up).
+        steady_samples = {how: v[1:] if len(v) > 1 else v for how, v in gbps.items()}
+        steady = {how: statistics.median(v) for how, v in steady_samples.items()}
         first = {how: v[0] for how, v in gbps.items()}
         get_tensor_ms = statistics.median(in_get_tensor)
         print(f"  {mib} MiB: (producer's get_tensor call: {get_tensor_ms:.2f} ms, median)")
@@ -300,25 +309,18 @@ def bandwidth(producer, sizes_mib, repeats):
                            ("memcpy", "anchor: memcpy into a touched shm mapping")):
             print(f"    {label:>42}: steady {steady[how]:7.2f} GB/s   first {first[how]:7.2f} GB/s"
                   f"   (steady {nbytes / steady[how] / 1e6:8.2f} ms)")
-        result[f"{mib}MiB"] = {
-            "steady_gbps": steady, "first_gbps": first, "get_tensor_ms": get_tensor_ms,
-            "file_over_queue": ratio_line(f"{mib} MiB: file / Queue bandwidth", steady["file"],
-                                          steady["queue"], "target >= 3x"),
-            "file_over_memcpy": ratio_line(f"{mib} MiB: file / memcpy bandwidth", steady["file"],
-                                           steady["memcpy"], "target >= 0.5x"),
-        }
+        result[f"{mib}MiB"] = {"steady_gbps": steady, "first_gbps": first,
+                               "get_tensor_ms": get_tensor_ms}
+        report.add(Figure(SECTION, f"{mib} MiB bandwidth, steady state", "GB/s", FILE_GET,
+                          steady_samples["file"],
+                          [Anchor(QUEUE, steady_samples["queue"], Target(">=", 3, issue=13)),
+                           Anchor("memcpy into a touched mapping", steady_samples["memcpy"],
+                                  Target(">=", 0.5, issue=13))],
+                          size_bytes=nbytes))
     return {"bandwidth": result}
 
 
 # ---- 4: memory per pending file future ----
-
-
-def _status(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _own_segments():
@@ -339,7 +341,7 @@ def _snapshot():
     with open("/proc/self/maps") as f:
         maps = sum(1 for _ in f)
     segments = _own_segments()
-    return {"rss": _status("VmRSS"), "rss_shmem": _status("RssShmem"),
+    return {"rss": proc_status_bytes("VmRSS"), "rss_shmem": proc_status_bytes("RssShmem"),
             "dev_shm_used": (info.f_blocks - info.f_bfree) * info.f_frsize,
             "own_segments": len(segments), "own_segment_bytes": sum(segments.values()),
             "maps": maps, "fds": len(os.listdir("/proc/self/fd"))}
@@ -400,24 +402,22 @@ def _leftover(pid):
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"dtorch_{pid}-")]
 
 
-def main(rounds=5, samples=200, sizes_mib=(1, 64, 512), repeats=6, pending=10_000):
+def main(report, rounds=5, samples=200, sizes_mib=(1, 64, 512), repeats=6):
     result = {}
     producer = _Producer()
     try:
-        result.update(latency(producer, rounds, samples))
-        result.update(bandwidth(producer, sizes_mib, repeats))
+        result.update(latency(report, producer, rounds, samples))
+        result.update(bandwidth(report, producer, sizes_mib, repeats))
     finally:
         producer.close()
     left = _leftover(producer.process.pid)
     print(f"  producer exit code {producer.process.exitcode}; its /dev/shm segments left: "
           f"{left or 'none'}")
     result["producer_segments_left"] = left
-    result.update(memory(pending))
     return result
 
 
 if __name__ == "__main__":
     quick = os.environ.get("QUICK") == "1"
-    main(rounds=3 if quick else 5, samples=60 if quick else 200,
-         sizes_mib=(1, 64) if quick else (1, 64, 512), repeats=3 if quick else 6,
-         pending=1000 if quick else 10_000)
+    main(Report(), rounds=3 if quick else 5, samples=60 if quick else 200,
+         sizes_mib=(1, 64) if quick else (1, 64, 512), repeats=3 if quick else 6)

@@ -2,10 +2,13 @@
 import torch
 
 import dtorch_ops
-from common import interleaved_medians, per_call_us, ratio_line, report
+from common import (Anchor, Figure, Report, Target, interleaved_samples, per_call_us,
+                    print_medians)
+
+SECTION = "In-process round trip (memory kind)"
 
 
-def main(rounds=7, calls=2000):
+def main(report, rounds=7, calls=2000):
     x = torch.ones(16)
     get_tensor_async = torch.ops.dtorch.get_tensor_async
 
@@ -34,12 +37,18 @@ def main(rounds=7, calls=2000):
     }
     for fn in cases.values():
         per_call_us(fn, 200)  # warm up
-    m = interleaved_medians(cases, rounds, lambda fn: per_call_us(fn, calls))
-    report(f"round trip (us per call; median of {rounds} interleaved rounds x {calls})", m, "us")
-    ratio_line("raw op vs aten.alias + Future", m["get_tensor_async(x).get()"],
-               m["anchor: aten.alias + Future"], "target <= 1.5x")
-    ratio_line("Python API vs Future", m["to_torch_async(x).get()"],
-               m["anchor: torch.futures.Future"], "target <= 1.2x")
+    s = interleaved_samples(cases, rounds, lambda fn: per_call_us(fn, calls))
+    print_medians(f"round trip (us per call; median of {rounds} interleaved rounds x {calls})", s,
+                  "us")
+    report.add(Figure(SECTION, "round trip, raw op", "us", "get_tensor_async(x).get()",
+                      s["get_tensor_async(x).get()"],
+                      [Anchor("aten.alias + torch.futures.Future",
+                              s["anchor: aten.alias + Future"], Target("<=", 1.5, issue=3))]))
+    report.add(Figure(SECTION, "round trip, Python API", "us", "to_torch_async(x).get()",
+                      s["to_torch_async(x).get()"],
+                      [Anchor("torch.futures.Future", s["anchor: torch.futures.Future"],
+                              Target("<=", 1.2, issue=9))],
+                      size_bytes=x.nbytes, size_independent=True))
 
     # A non-blocking query from Python: one C++ call through the binding, vs the cheapest
     # pybind11 calls (a module function and a bound method of one of torch's own classes).
@@ -53,13 +62,17 @@ def main(rounds=7, calls=2000):
     }
     for fn in queries.values():
         per_call_us(fn, 2000)
-    q = interleaved_medians(queries, rounds, lambda fn: per_call_us(fn, calls * 20))
-    report(f"non-blocking query (us per call; median of {rounds} rounds x {calls * 20})", q, "us")
-    ratio_line("is_ready() vs pybind11 module function", q["future.is_ready()"],
-               q["anchor: pybind11 module function"], "target <= 3x")
-    ratio_line("is_ready() vs pybind11 method", q["future.is_ready()"],
-               q["anchor: pybind11 method"], "reference")
+    q = interleaved_samples(queries, rounds, lambda fn: per_call_us(fn, calls * 20))
+    print_medians(f"non-blocking query (us per call; median of {rounds} rounds x {calls * 20})",
+                  q, "us")
+    report.add(Figure(SECTION, "non-blocking query", "us", "future.is_ready()",
+                      q["future.is_ready()"],
+                      [Anchor("pybind11 module function", q["anchor: pybind11 module function"],
+                              Target("<=", 3, issue=9)),
+                       Anchor("pybind11 method", q["anchor: pybind11 method"]),
+                       Anchor("raw TorchScript is_ready() (before issue 9)",
+                              q["before: raw TorchScript is_ready()"])]))
 
 
 if __name__ == "__main__":
-    main()
+    main(Report())

@@ -1,15 +1,16 @@
 """sync(): its overhead on CPU against a bare op call, and on a GPU (when present) the time from
 the stream's completion to sync() returning against torch.cuda.synchronize()."""
-import statistics
 import time
 
 import torch
 
 import dtorch_ops
-from common import interleaved_medians, per_call_us, ratio_line, report
+from common import Anchor, Figure, Report, interleaved_samples, per_call_us, print_medians
+
+SECTION = "sync()"
 
 
-def cpu(rounds, calls):
+def cpu(report, rounds, calls):
     x = torch.ones(4)
     cases = {
         "dtorch_ops.sync()": dtorch_ops.sync,
@@ -18,13 +19,15 @@ def cpu(rounds, calls):
     }
     for fn in cases.values():
         per_call_us(fn, 200)
-    m = interleaved_medians(cases, rounds, lambda fn: per_call_us(fn, calls))
-    report(f"sync on CPU (us per call; median of {rounds} rounds x {calls})", m, "us")
-    ratio_line("sync() vs a bare op call", m["dtorch_ops.sync()"],
-               m["anchor: torch.ops.aten.alias(x)"], "overhead, no target")
+    s = interleaved_samples(cases, rounds, lambda fn: per_call_us(fn, calls))
+    print_medians(f"sync on CPU (us per call; median of {rounds} rounds x {calls})", s, "us")
+    for ours in ("dtorch_ops.sync()", "sync_async().get()"):  # overhead, no target
+        report.add(Figure(SECTION, f"{ours} on CPU", "us", ours, s[ours],
+                          [Anchor("aten.alias (a bare op call)",
+                                  s["anchor: torch.ops.aten.alias(x)"])]))
 
 
-def gpu(samples, kernel_ms=5.0):
+def gpu(report, samples, kernel_ms=5.0):
     """Wall time after a ~kernel_ms kernel minus the kernel's own duration (CUDA events)."""
     cycles_per_ms = None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -47,20 +50,22 @@ def gpu(samples, kernel_ms=5.0):
 
     cases = {"dtorch_ops.sync()": dtorch_ops.sync,
              "anchor: torch.cuda.synchronize()": torch.cuda.synchronize}
-    m = interleaved_medians(cases, samples, lag_us)
-    report(f"sync on {torch.cuda.get_device_name()}: stream done -> call returns "
-           f"(us; median of {samples})", m, "us")
-    ratio_line("sync() vs torch.cuda.synchronize()", m["dtorch_ops.sync()"],
-               m["anchor: torch.cuda.synchronize()"], "lag after completion")
+    s = interleaved_samples(cases, samples, lag_us)
+    print_medians(f"sync on {torch.cuda.get_device_name()}: stream done -> call returns "
+                  f"(us; median of {samples})", s, "us")
+    report.add(Figure(SECTION, f"stream done -> sync() returns, {torch.cuda.get_device_name()}",
+                      "us", "dtorch_ops.sync()", s["dtorch_ops.sync()"],
+                      [Anchor("torch.cuda.synchronize()",
+                              s["anchor: torch.cuda.synchronize()"])]))
 
 
-def main(rounds=7, calls=1000, samples=50):
-    cpu(rounds, calls)
+def main(report, rounds=7, calls=1000, samples=50):
+    cpu(report, rounds, calls)
     if torch.cuda.is_available():
-        gpu(samples)
+        gpu(report, samples)
     else:
         print("  (no GPU here: the stream-completion lag is measured when one is present)")
 
 
 if __name__ == "__main__":
-    main()
+    main(Report())

@@ -14,8 +14,9 @@ import time
 import torch
 
 import dtorch_ops
-from common import interleaved_medians, ratio_line, report
+from common import Anchor, Figure, Report, Target, interleaved_samples, print_medians
 
+SECTION = "Cross-thread wake (memory kind)"
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
@@ -56,18 +57,20 @@ def _torch_future_pair():
     return future.wait, lambda: future.set_result(value)
 
 
-def python_wake(samples):
+def python_wake(report, samples):
     cases = {"dtorch promise -> get()": _dtorch_pair, "anchor: threading.Event": _event_pair,
              "reference: torch.futures.Future": _torch_future_pair}
-    m = interleaved_medians(cases, samples, _one_wake)
-    report(f"cross-thread wake, Python (us; median of {samples} samples)", m, "us")
-    ratio_line("dtorch vs threading.Event", m["dtorch promise -> get()"],
-               m["anchor: threading.Event"], "target <= 1.2x")
-    ratio_line("dtorch vs torch.futures.Future (wait releases the GIL there too)",
-               m["dtorch promise -> get()"], m["reference: torch.futures.Future"], "reference")
+    s = interleaved_samples(cases, samples, _one_wake)
+    print_medians(f"cross-thread wake, Python (us; median of {samples} samples)", s, "us")
+    report.add(Figure(SECTION, "cross-thread wake, Python", "us",
+                      "set_value -> waiter's get() returns", s["dtorch promise -> get()"],
+                      [Anchor("threading.Event", s["anchor: threading.Event"],
+                              Target("<=", 1.2, issue=9)),
+                       # its wait releases the GIL too
+                       Anchor("torch.futures.Future", s["reference: torch.futures.Future"])]))
 
 
-def cpp_wake(samples):
+def cpp_wake(report, samples):
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         print("\ncross-thread wake, C++: skipped (no g++)")
@@ -80,18 +83,21 @@ def cpp_wake(samples):
                        check=True, timeout=300)
         out = subprocess.run([binary, str(samples)], check=True, capture_output=True, text=True,
                              timeout=300).stdout
-    medians = dict(line.rsplit(" ", 1) for line in out.strip().splitlines())
-    m = {"core MemoryPromise -> Get()": float(medians["memory_promise"]),
-         "anchor: std::promise": float(medians["std_promise"])}
-    report(f"cross-thread wake, C++ (us; median of {samples} samples)", m, "us")
-    ratio_line("core MemoryPromise vs std::promise", m["core MemoryPromise -> Get()"],
-               m["anchor: std::promise"], "target <= 1.5x")
+    by_case = {name: [float(v) for v in values]
+               for name, *values in (line.split() for line in out.strip().splitlines())}
+    s = {"core MemoryPromise -> Get()": by_case["memory_promise"],
+         "anchor: std::promise": by_case["std_promise"]}
+    print_medians(f"cross-thread wake, C++ (us; median of {samples} samples)", s, "us")
+    report.add(Figure(SECTION, "cross-thread wake, C++", "us", "core MemoryPromise -> Get()",
+                      s["core MemoryPromise -> Get()"],
+                      [Anchor("std::promise", s["anchor: std::promise"],
+                              Target("<=", 1.5, issue=3))]))
 
 
-def main(samples=300):
-    python_wake(samples)
-    cpp_wake(samples)
+def main(report, samples=300):
+    python_wake(report, samples)
+    cpp_wake(report, samples)
 
 
 if __name__ == "__main__":
-    main()
+    main(Report())

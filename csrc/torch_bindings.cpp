@@ -79,13 +79,18 @@ void DefineFuture(torch::Library& m) {
     cls.def("get", [](const c10::intrusive_ptr<F>& self) { self->Get(); });
     // Like get() within timeout_ms, else raises ("dtorch: timed out") and stays valid.
     cls.def("wait", [](const c10::intrusive_ptr<F>& self, int64_t ms) { self->Wait(ms); });
+    // The completed future's value (None) or error, without consuming it; raises if not ready.
+    cls.def("value", [](const c10::intrusive_ptr<F>& self) { self->Value(); });
   } else {
     cls.def("get", &F::Get);
     cls.def("wait", &F::Wait);
+    cls.def("value", &F::Value);
   }
   // Blocks up to timeout_ms; True once ready. Does not consume.
   cls.def("wait_for", &F::WaitFor)
       .def("is_ready", &F::IsReady)
+      // torch.futures.Future's name for is_ready().
+      .def("done", &F::IsReady)
       .def("valid", &F::Valid)
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
       // Posts `token` to the notifier once ready (how asyncio awaits it). Does not consume.
@@ -143,7 +148,9 @@ TORCH_LIBRARY(dtorch, m) {
   collect.def("get", &VoidFutureCollect::Get)
       .def("wait", &VoidFutureCollect::Wait)
       .def("wait_for", &VoidFutureCollect::WaitFor)
+      .def("value", &VoidFutureCollect::Value)
       .def("is_ready", &VoidFutureCollect::IsReady)
+      .def("done", &VoidFutureCollect::IsReady)
       .def("valid", &VoidFutureCollect::Valid)
       .def("devices",
            [](const c10::intrusive_ptr<VoidFutureCollect>& self) { return self->Devices(); })

@@ -6,6 +6,10 @@ without synchronising the device. In-process futures alias the input tensor: no 
 
 ``sync()`` / ``sync_async()`` wait for the work queued so far on each device's current stream.
 
+The futures have torch.futures.Future's methods too (``done``, ``value``, ``then``,
+``add_done_callback``, ``to_torch_future``; ``collect_all`` / ``wait_all``), and adopt a
+``torch.futures.Future`` (``TensorFuture(torch_future)``, ``ObjectFuture(torch_future)``).
+
 Raw ops and classes (TorchScript, C++, torch.compile): ``torch.ops.dtorch.get_tensor_async``,
 ``get_tensor``, ``sync``, ``sync_into``, ``sync_wait``; ``torch.classes.dtorch.TensorFuture``,
 ``TensorPromise``, ``VoidFuture``, ``VoidPromise``, ``VoidFutureCollect``.
@@ -74,16 +78,19 @@ from . import errors  # noqa: E402
 from .errors import (  # noqa: E402
     BrokenPromiseError,
     FutureError,
+    FutureNotReadyError,
     FutureTimeoutError,
     InvalidHandleError,
     PromiseAlreadySatisfiedError,
 )
 from .futures import (  # noqa: E402
+    ObjectFuture,
     TensorFuture,
     TensorPromise,
     VoidFuture,
     VoidFutureCollect,
     VoidPromise,
+    collect_all,
     get_tensor,
     promise_kind_for,
     sync,
@@ -91,6 +98,7 @@ from .futures import (  # noqa: E402
     sync_into,
     to_torch,
     to_torch_async,
+    wait_all,
 )
 # After futures (which defines the Python ops that _fake's lowerings and DTensor rules cover).
 from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
@@ -125,14 +133,17 @@ def include_path() -> str:
 __all__ = [
     "BrokenPromiseError",
     "FutureError",
+    "FutureNotReadyError",
     "FutureTimeoutError",
     "InvalidHandleError",
+    "ObjectFuture",
     "PromiseAlreadySatisfiedError",
     "TensorFuture",
     "TensorPromise",
     "VoidFuture",
     "VoidFutureCollect",
     "VoidPromise",
+    "collect_all",
     "config",
     "errors",
     "get_tensor",
@@ -145,4 +156,5 @@ __all__ = [
     "sync_into",
     "to_torch",
     "to_torch_async",
+    "wait_all",
 ]

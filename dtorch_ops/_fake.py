@@ -74,14 +74,16 @@ _WAIT_OUTSIDE = "wait on the future outside the compiled region"
 _USE_OPS = "call the ops (get_tensor, sync_into) with the promise there instead"
 for _name in ("TensorFuture", "VoidFuture"):
     _register_fake_class(
-        _name, ("get", "wait", "wait_for", "is_ready", "valid", "notify_when_ready"),
+        _name, ("get", "wait", "value", "wait_for", "is_ready", "done", "valid",
+                "notify_when_ready"),
         _WAIT_OUTSIDE)
 for _name in ("TensorPromise", "VoidPromise"):
     _register_fake_class(_name, ("set_value", "set_exception", "get_future", "serialize"),
                          _USE_OPS)
 _register_fake_class(
     "VoidFutureCollect",
-    ("get", "wait", "wait_for", "is_ready", "valid", "devices", "notify_when_ready"),
+    ("get", "wait", "value", "wait_for", "is_ready", "done", "valid", "devices",
+     "notify_when_ready"),
     _WAIT_OUTSIDE)
 _register_fake_class("ReadyNotifier", ("fileno", "drain"), "it belongs to an event loop")
 

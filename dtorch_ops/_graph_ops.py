@@ -73,7 +73,8 @@ def _returns_opaques_from_graphs() -> bool:
 
 
 # What a user may call on a future; the placeholder's versions break the graph.
-_WAIT_MEMBERS = ("get", "wait", "is_ready", "valid", "kind", "devices")
+_WAIT_MEMBERS = ("get", "wait", "value", "is_ready", "done", "valid", "kind", "devices",
+                 "add_done_callback", "then", "to_torch_future")
 
 
 def _placeholder_class(cls):

@@ -90,6 +90,13 @@ class SharedMemoryError(FutureError):
     code = "shared_memory"
 
 
+class FutureNotReadyError(FutureError):
+    """value() on a future that is not complete yet: wait for it first (wait(), await, a done
+    callback), or call get(), which blocks."""
+
+    code = "not_ready"
+
+
 _BY_CODE = {cls.code: cls for cls in FutureError.__subclasses__()}
 _BY_CODE.update({cls.code: cls for cls in (FutureTimeoutError, CannotLeaveProcessError,
                                            InvalidHandleError)})

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import sys
 import threading
+import typing
 import weakref
 
 import torch
@@ -20,6 +21,8 @@ from ._on_import import register_on_import
 from .config import config
 
 _Tensor = torch.Tensor
+# torch.futures.Future's base class (RPC's futures are instances too).
+_TorchFuture = torch._C.Future
 # Both are folded to True by Dynamo while it traces. is_compiling is also True under torch.export's
 # non-strict tracing (no Dynamo: graph breaks do not exist there); is_dynamo_compiling is cheaper.
 _is_compiling = torch.compiler.is_compiling
@@ -184,19 +187,27 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
     __slots__ = ("_h", "_raw", "_pending", "__weakref__")
     _HANDLE = None
     _PRODUCED_BY = ""
+    # torch.futures.Future -> a handle of _HANDLE completed by it (None: not adoptable).
+    _ADOPT = None
 
     def __init__(self, raw):
         """Wraps a raw future (a torch.classes.dtorch object, e.g. an op's result); the wrapper
-        and the raw object share one state."""
+        and the raw object share one state. A torch.futures.Future (an RPC future, say) is
+        adopted: this future completes with its value or error when it does."""
         # (ScriptObject first: the opaque metaclass makes isinstance() slow for non-instances.)
-        if not isinstance(raw, torch.ScriptObject) and isinstance(raw, type(self)):
-            self._h = raw._h
-            return
+        if not isinstance(raw, torch.ScriptObject):
+            if isinstance(raw, type(self)):
+                self._h = raw._h
+                return
+            if isinstance(raw, _TorchFuture) and self._ADOPT is not None:
+                self._h = type(self)._ADOPT(raw)
+                return
         handle = _handle_from_script(self._HANDLE, raw)
         if handle is None:
+            adopts = " or a torch.futures.Future" if self._ADOPT is not None else ""
             raise TypeError(
                 f"dtorch_ops.{type(self).__name__} wraps a torch.classes.dtorch."
-                f"{self._HANDLE.__name__} (the result of {self._PRODUCED_BY}), got "
+                f"{self._HANDLE.__name__} (the result of {self._PRODUCED_BY}){adopts}, got "
                 f"{_script_name(raw)}"
             )
         self._h = handle
@@ -234,8 +245,49 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
             raw = self._raw = self._h.script()
         return raw
 
-    # get(), wait(timeout_ms), is_ready() and valid() are C++ methods installed by the binding
-    # (_C.install_wait_methods, below the classes).
+    # get(), wait(timeout_ms), value(), is_ready(), done(), valid() and add_done_callback() are
+    # C++ methods installed by the binding (_C.install_wait_methods, below the classes).
+
+    def then(self, callback):
+        """Returns a new future of ``callback(self)``'s result, called once this future is
+        complete (as ``torch.futures.Future.then``); the callback reads this future's value with
+        ``value()``, which raises its error, if any.
+
+        The new future is a ``TensorFuture`` when the callback is annotated to return a tensor
+        (``def f(fut) -> torch.Tensor``), else an ``ObjectFuture``. An exception raised by the
+        callback fails the new future: an ``ObjectFuture`` raises that very exception, a
+        ``TensorFuture`` a ``ProducerError`` naming it. Where the callback runs: see
+        ``add_done_callback``.
+        """
+        if _is_dynamo_compiling():
+            return _InGraphEagerly.call_member(self, "then", callback)  # a graph break
+        if not callable(callback):
+            raise TypeError(f"dtorch: then() needs a callable, got {type(callback).__name__}")
+        if _returns_tensor(callback):
+            promise = _C.TensorPromise("memory")
+            derived = TensorFuture._wrap(promise.get_future())
+            settle = _promise_settler(promise, "the then() callback")
+        else:
+            derived = _new(ObjectFuture)
+            settle = _pending_object_future(derived)
+        self.add_done_callback(lambda done: _call_and_settle(callback, done, settle))
+        return derived
+
+    def to_torch_future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` that completes with this future's value (or error) when it
+        does, for code built on torch.futures and RPC. This future is not consumed."""
+        if _is_dynamo_compiling():
+            return _InGraphEagerly.call_member(self, "to_torch_future")  # a graph break
+        torch_future = torch.futures.Future()
+
+        def settle(ok, value):
+            if ok:
+                torch_future.set_result(value)
+            else:
+                torch_future.set_exception(value)
+
+        self.add_done_callback(lambda done: _call_and_settle(type(done).value, done, settle))
+        return torch_future
 
     def __await__(self):
         """``await future``: suspends the coroutine (not the loop) until the value is ready.
@@ -315,8 +367,195 @@ class VoidFutureCollect(_Waitable):
         return f"dtorch_ops.VoidFutureCollect([{names}], {self._state()})"
 
 
+class ObjectFuture(_Waitable):
+    """A future of any Python value: what ``then()`` returns when its callback is not annotated
+    to return a tensor, and what ``collect_all()`` returns. ``ObjectFuture(torch_future)`` adopts
+    a ``torch.futures.Future``.
+
+    The methods of ``TensorFuture``: ``get()`` (consumes), ``value()`` (does not), ``wait``,
+    ``is_ready`` / ``done``, ``valid``, ``then``, ``add_done_callback``, ``to_torch_future`` and
+    ``await``. A failed one raises the very exception its callback (or adopted future) raised.
+    Thread-safe.
+    """
+
+    __slots__ = ("_result",)  # (True, value) or (False, exception), set before completion
+    _HANDLE = _C.VoidFuture  # the completion; the value stays in Python
+    _PRODUCED_BY = "then() or collect_all()"
+
+    def __init__(self, torch_future):
+        if not isinstance(torch_future, _TorchFuture):
+            raise TypeError("dtorch_ops.ObjectFuture(torch_future) adopts a torch.futures.Future,"
+                            f" got {_script_name(torch_future)}")
+        _adopt_into(torch_future, _pending_object_future(self))
+
+    def get(self):
+        """Blocks until the value is ready and returns it (or raises the error); consumes the
+        future. The GIL is released while waiting."""
+        self._h.get()  # waits; raises once consumed, or broken
+        return self._take()
+
+    def wait(self, timeout_ms):
+        """Like get() if the value arrives within timeout_ms; else raises TimeoutError and the
+        future stays valid."""
+        self._h.wait(timeout_ms)
+        return self._take()
+
+    def value(self):
+        """The value of a completed future without consuming it, or its error raised."""
+        self._h.value()  # raises FutureNotReadyError before completion, or once consumed
+        return _unpack(self._result)
+
+    def __await__(self):
+        yield from _await_ready(self).__await__()
+        return self.get()
+
+    @property
+    def raw(self):
+        raise TypeError("dtorch: an ObjectFuture holds a Python value, which TorchScript cannot "
+                        "carry: it has no TorchScript object (then() makes a TensorFuture, which "
+                        "has one, when its callback is annotated to return a torch.Tensor)")
+
+    def __repr__(self) -> str:
+        return f"dtorch_ops.ObjectFuture({self._state()})"
+
+    def _take(self):
+        result, self._result = self._result, None  # the future no longer keeps the value
+        return _unpack(result)
+
+
+def _unpack(result):
+    ok, value = result
+    if ok:
+        return value
+    raise value
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _pending_object_future(future: ObjectFuture):
+    """Makes `future` pending; returns settle(ok, value), which completes it once."""
+    promise = _C.VoidPromise("memory")
+    future._h = promise.get_future()
+    future._result = None
+
+    def settle(ok, value):
+        future._result = (ok, value)
+        promise.set_value()
+
+    return settle
+
+
+def _promise_settler(promise, source: str):
+    """settle(ok, value) completing a _C TensorPromise / VoidPromise with what `source` gave."""
+
+    def settle(ok, value):
+        if not ok:
+            promise.set_exception(f"{source} failed: {_describe(value)}")
+        elif isinstance(promise, _C.VoidPromise):
+            promise.set_value()
+        elif isinstance(value, _Tensor):
+            promise.set_value(value)
+        else:
+            promise.set_exception(f"{source} gave a {type(value).__name__}, not a tensor")
+
+    return settle
+
+
+def _call_and_settle(fn, arg, settle) -> None:
+    """settle(True, fn(arg)), or settle(False, the exception fn raised): any exception, so that
+    the settled future never stays pending."""
+    try:
+        value = fn(arg)
+    except BaseException as e:
+        settle(False, e)
+    else:
+        settle(True, value)
+
+
+def _adopt_into(torch_future, settle) -> None:
+    torch_future.add_done_callback(lambda done: _call_and_settle(type(done).value, done, settle))
+
+
+def _returns_tensor(callback) -> bool:
+    """Whether callback is annotated to return a tensor (then() then makes a TensorFuture)."""
+    try:
+        return typing.get_type_hints(callback).get("return") is _Tensor
+    except Exception:  # not a function, or annotations that do not resolve
+        return False
+
+
+def _adopter(promise_class):
+    """_ADOPT of a future class: a torch.futures.Future -> a handle completed by it."""
+
+    def adopt(torch_future):
+        promise = promise_class("memory")
+        handle = promise.get_future()
+        _adopt_into(torch_future, _promise_settler(promise, "the adopted torch.futures.Future"))
+        return handle
+
+    return staticmethod(adopt)
+
+
+TensorFuture._ADOPT = _adopter(_C.TensorPromise)
+VoidFuture._ADOPT = _adopter(_C.VoidPromise)
+
 for _cls in (TensorFuture, VoidFuture, VoidFutureCollect):
     _C.install_wait_methods(_cls, _cls._HANDLE)
+_C.install_wait_methods(ObjectFuture, ObjectFuture._HANDLE, with_values=False)
+
+
+def _check_future(future, what: str) -> None:
+    if not isinstance(future, (_Waitable, _TorchFuture)):
+        raise TypeError(
+            f"dtorch_ops.{what} takes dtorch_ops futures or torch.futures.Future objects, got "
+            f"{_script_name(future)}" + (" (wrap a raw one: dtorch_ops.TensorFuture(raw))"
+                                         if isinstance(future, torch.ScriptObject) else ""))
+
+
+def collect_all(futures) -> ObjectFuture:
+    """An ObjectFuture yielding the list of `futures` once all have completed, as
+    ``torch.futures.collect_all``; as there, it fails as soon as one of them fails, with that
+    future's error. Takes dtorch_ops futures and ``torch.futures.Future`` objects; awaitable.
+    Consumes none of them: read each with ``value()``."""
+    futures = list(futures)
+    for future in futures:
+        _check_future(future, "collect_all")
+    collected = _new(ObjectFuture)
+    settle = _pending_object_future(collected)
+    remaining = [len(futures)]
+    lock = threading.Lock()  # callbacks run on the threads that complete the futures
+
+    def one_done(future):
+        try:
+            future.value()
+        except BaseException as e:
+            error = e
+        else:
+            error = None
+        with lock:
+            if remaining[0] == 0:
+                return  # (settled: an earlier one failed)
+            remaining[0] = 0 if error is not None else remaining[0] - 1
+            last = remaining[0] == 0
+        if last:
+            settle(error is None, futures if error is None else error)
+
+    if not futures:
+        settle(True, futures)
+    for future in futures:
+        future.add_done_callback(one_done)
+    return collected
+
+
+def wait_all(futures) -> list:
+    """Waits for every future of `futures` and returns their values in order, as
+    ``torch.futures.wait_all``: as soon as one fails, raises its error without waiting for the
+    others. The futures are not consumed (``value()``). Blocks with the GIL released; in a
+    coroutine, ``await collect_all(futures)`` instead."""
+    futures = collect_all(futures).get()
+    return [future.value() for future in futures]
 
 # The ops that create these futures inside compiled graphs; None on a torch without opaque types.
 _graph = _graph_ops.define(TensorFuture, VoidFutureCollect, _C)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing dtorch_ops needs, skipping what is already there:
 #   from Debian: g++, make, cmake, binutils, Boost >= 1.78 headers (robust interprocess mutexes);
-#   torch (2.13.0 unless a torch >= 2.11 is importable), ninja, pytest, pytest-timeout.
+#   torch (2.13.0 unless a torch >= 2.11 is importable), ninja, pytest, pytest-timeout, and
+#   matplotlib (make bench's plot).
 # PYTHON selects the interpreter (default: python3 on PATH).
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
@@ -54,7 +55,7 @@ fi
 missing=$("$PYTHON" - <<'PY'
 import importlib.util
 wanted = {"ninja": "ninja", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
-          "setuptools": "setuptools>=64", "wheel": "wheel"}
+          "setuptools": "setuptools>=64", "wheel": "wheel", "matplotlib": "matplotlib"}
 print(" ".join(pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None))
 PY
 )

@@ -51,8 +51,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <unistd.h>
 
@@ -188,20 +190,79 @@ class FileFuture final : public FutureBackend<T> {
       : consumer_(std::move(consumer)), codec_(std::move(codec)) {}
 
   T Get() override {
-    PublishedValue taken = consumer_->Take();
-    return codec_->Read(taken.header, taken.payload, taken.payload_bytes,
-                        std::move(taken.keep_alive));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (peeked_) {  // Value() took it from the pair: hand that over
+        if (taken_) throw FutureError(FutureErrc::kNoState, kTakenDetail);
+        taken_ = true;
+        return std::exchange(peeked_, std::nullopt)->TakeOrThrow();
+      }
+    }
+    try {
+      return TakeFromPair();
+    } catch (const FutureError& e) {
+      if (e.code() != FutureErrc::kNoState) throw;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!peeked_ || taken_) throw;
+      }
+      return Get();  // Value() took it between our check and the pair's
+    }
   }
-  bool WaitUntil(Deadline deadline) const override { return consumer_->WaitUntil(deadline); }
-  bool IsReady() const override { return consumer_->IsReady(); }
-  bool Valid() const override { return consumer_->Valid(); }
+  // Receiving a value is destructive (the consumer unlinks what it received), so the first
+  // Value() takes it from the pair and keeps it here for the next Value() and Get().
+  T Value() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (taken_) throw FutureError(FutureErrc::kNoState, kTakenDetail);
+    if (!peeked_) {
+      if (!consumer_->IsReady()) {
+        if (!consumer_->Valid()) throw FutureError(FutureErrc::kNoState, kTakenDetail);
+        throw FutureError(FutureErrc::kNotReady, kNotReadyDetail);
+      }
+      try {
+        peeked_ = Result<T>::Value(TakeFromPair());
+      } catch (const FutureError& e) {
+        if (e.code() == FutureErrc::kNoState) throw;  // Get() took it meanwhile
+        peeked_ = Result<T>::Error(e.code(), e.detail());
+      }
+    }
+    return peeked_->CopyOrThrow();
+  }
+  bool WaitUntil(Deadline deadline) const override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (taken_) throw FutureError(FutureErrc::kNoState, kTakenDetail);
+      if (peeked_) return true;
+    }
+    return consumer_->WaitUntil(deadline);
+  }
+  bool IsReady() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return peeked_ ? !taken_ : consumer_->IsReady();
+  }
+  bool Valid() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return peeked_ ? !taken_ : consumer_->Valid();
+  }
   void OnReady(std::function<void()> callback) override {
     consumer_->OnReady(std::move(callback));
   }
 
  private:
+  static constexpr const char* kTakenDetail =
+      "get() was already called on this future; a future yields its value once";
+
+  T TakeFromPair() {
+    PublishedValue taken = consumer_->Take();
+    return codec_->Read(taken.header, taken.payload, taken.payload_bytes,
+                        std::move(taken.keep_alive));
+  }
+
   const std::shared_ptr<FileConsumer> consumer_;
   const std::shared_ptr<const ValueCodec<T>> codec_;
+  mutable std::mutex mu_;
+  std::optional<Result<T>> peeked_;  // guarded by mu_: what Value() took from the pair
+  bool taken_ = false;               // guarded by mu_: Get() took peeked_
 };
 
 template <typename T>

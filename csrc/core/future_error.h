@@ -25,8 +25,9 @@ enum class FutureErrc {
   kCannotLeaveProcess,       // a promise of a same-process kind was serialized (pickle, jit.save)
   kInvalidHandle,            // a serialized promise is malformed, tampered with or of another type
   kSharedMemory,             // the shared-memory transport failed (/dev/shm full, a segment gone)
+  kNotReady,                 // Value() on a future that is not complete yet (never crosses processes)
 };
-inline constexpr FutureErrc kLastFutureErrc = FutureErrc::kSharedMemory;
+inline constexpr FutureErrc kLastFutureErrc = FutureErrc::kNotReady;
 
 // Short, stable name of a code ("broken promise", ...); used as the message prefix.
 inline const char* FutureErrcName(FutureErrc code) {
@@ -43,6 +44,7 @@ inline const char* FutureErrcName(FutureErrc code) {
     case FutureErrc::kCannotLeaveProcess: return "cannot leave the process";
     case FutureErrc::kInvalidHandle: return "invalid serialized promise";
     case FutureErrc::kSharedMemory: return "shared memory";
+    case FutureErrc::kNotReady: return "not ready";
   }
   return "unknown future error";
 }
@@ -63,6 +65,7 @@ inline const char* FutureErrcId(FutureErrc code) {
     case FutureErrc::kCannotLeaveProcess: return "cannot_leave_process";
     case FutureErrc::kInvalidHandle: return "invalid_handle";
     case FutureErrc::kSharedMemory: return "shared_memory";
+    case FutureErrc::kNotReady: return "not_ready";
   }
   return "unknown";
 }
@@ -82,5 +85,10 @@ class FutureError : public std::runtime_error {
   FutureErrc code_;
   std::string detail_;
 };
+
+// The detail of kNotReady, for every kind.
+inline constexpr const char* kNotReadyDetail =
+    "value() reads a completed future; wait for it first (wait(), await, or a done callback), "
+    "or use get(), which blocks";
 
 }  // namespace dtorch::core

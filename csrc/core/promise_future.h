@@ -44,6 +44,10 @@ class FutureBackend {
   // Blocks until the value is ready and takes it (throws the completion's error instead, if any).
   // Consumes: afterwards Valid() is false and Get() throws kNoState.
   virtual T Get() = 0;
+  // The value of a complete future without consuming it (a copy: a tensor shares its storage),
+  // or its error thrown, as often as asked until Get(). Throws kNotReady before completion and
+  // kNoState once consumed.
+  virtual T Value() = 0;
   // Blocks until `deadline` at the latest (a past deadline polls); true once ready. Never
   // consumes; throws kNoState once consumed.
   virtual bool WaitUntil(Deadline deadline) const = 0;
@@ -128,6 +132,7 @@ class MemoryFuture final : public FutureBackend<T> {
  public:
   explicit MemoryFuture(std::shared_ptr<SharedState<T>> state) : state_(std::move(state)) {}
   T Get() override { return state_->Take(); }
+  T Value() override { return state_->Peek(); }
   bool WaitUntil(Deadline deadline) const override { return state_->WaitUntil(deadline); }
   bool IsReady() const override { return state_->IsReady(); }
   bool Valid() const override { return state_->Valid(); }

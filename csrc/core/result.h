@@ -32,12 +32,18 @@ class Result {
   bool ok() const noexcept { return state_.index() == 0; }
   // Preconditions: ok() for value(), !ok() for error().
   T& value() { return std::get<0>(state_); }
+  const T& value() const { return std::get<0>(state_); }
   const ErrorInfo& error() const { return std::get<1>(state_); }
 
   // The value, moved out; or throws the error as a FutureError.
   T TakeOrThrow() {
     if (!ok()) throw error().ToException();
     return std::move(value());
+  }
+  // A copy of the value; or throws the error as a FutureError. Changes nothing.
+  T CopyOrThrow() const {
+    if (!ok()) throw error().ToException();
+    return value();
   }
 
  private:

@@ -5,7 +5,9 @@
 //     FutureError(kPromiseAlreadySatisfied) *before* anything changes, so the first value is kept;
 //   - Take() blocks until completion and consumes: afterwards Valid() is false and another Take()
 //     throws FutureError(kNoState). An error is consumed the same way (it is thrown once);
-//   - WaitUntil(deadline) never consumes and leaves the state valid when it times out.
+//   - WaitUntil(deadline) never consumes and leaves the state valid when it times out;
+//   - Peek() reads a completed state without consuming it (torch.futures.Future.value()): a copy
+//     of the value, or the error thrown (and kept), as often as asked until Take().
 //
 // Completion callbacks (OnReady) let a waiter be woken without a thread per future: each runs
 // exactly once, after completion, outside the lock, on the completing thread (or at once on the
@@ -100,6 +102,17 @@ class SharedState {
     }
     WaitingLocked waiting(*this);
     return cv_.wait_until(lock, deadline, [this] { return CompleteLocked(); });
+  }
+
+  // The value of a complete state, copied, or its error thrown; consumes nothing. Throws
+  // kNotReady before completion and kNoState once taken.
+  T Peek() const {
+    auto lock = LockSurvivingFork(mu_);
+    ThrowIfRetrievedLocked();
+    if (!result_) {
+      throw FutureError(FutureErrc::kNotReady, kNotReadyDetail);
+    }
+    return result_->CopyOrThrow();
   }
 
   bool IsReady() const {

@@ -139,6 +139,11 @@ T Future<T>::Wait(int64_t timeout_ms) {
 }
 
 template <typename T>
+T Future<T>::Value() {
+  return TranslateErrors([&] { return backend_->Value(); });
+}
+
+template <typename T>
 bool Future<T>::WaitFor(int64_t timeout_ms) const {
   CheckTimeout(timeout_ms);
   return TranslateErrors([&] {
@@ -259,11 +264,22 @@ VoidFutureCollect::VoidFutureCollect(std::vector<c10::Device> devices,
 
 void VoidFutureCollect::Get() {
   if (consumed_.exchange(true)) ThrowConsumedCollect();
+  ThrowFirstDeviceError([](VoidFuture& future) { future.Get(); });
+}
+
+void VoidFutureCollect::Value() const {
+  if (consumed_) ThrowConsumedCollect();
+  if (!IsReady()) ThrowCoded(core::FutureError(core::FutureErrc::kNotReady, core::kNotReadyDetail));
+  ThrowFirstDeviceError([](VoidFuture& future) { future.Value(); });
+}
+
+template <typename Read>
+void VoidFutureCollect::ThrowFirstDeviceError(Read read) const {
   std::optional<std::string> first_error;
   auto first_code = core::FutureErrc::kProducerError;
   for (size_t i = 0; i < futures_.size(); ++i) {
     try {
-      futures_[i]->Get();
+      read(*futures_[i]);
     } catch (const c10::Error& e) {
       if (!first_error) {
         first_error = "dtorch: sync on " + devices_[i].str() + " failed: " + NestedMessage(e);

@@ -74,6 +74,10 @@ class Future : public torch::CustomClassHolder {
   // Like Get() if the value arrives within timeout_ms; otherwise throws ("dtorch: timed out")
   // and the future stays valid.
   T Wait(int64_t timeout_ms);
+  // The value of a completed future without consuming it, as torch.futures.Future.value(): the
+  // same tensor each time (no copy), or the completion's error raised, until Get() takes it.
+  // Raises "not ready" before completion; never blocks.
+  T Value();
   // Blocks up to timeout_ms; true once ready (value or error). Never consumes.
   bool WaitFor(int64_t timeout_ms) const;
   bool IsReady() const;
@@ -153,6 +157,8 @@ class VoidFutureCollect : public torch::CustomClassHolder {
   // Like Get() within timeout_ms (for all devices together); otherwise throws ("timed out") and
   // stays valid.
   void Wait(int64_t timeout_ms);
+  // Get() without consuming, once every device is done (see Future::Value).
+  void Value() const;
   bool WaitFor(int64_t timeout_ms) const;
   bool IsReady() const;
   bool Valid() const;
@@ -162,6 +168,11 @@ class VoidFutureCollect : public torch::CustomClassHolder {
   void OnReady(std::function<void()> callback);
 
  private:
+  // Reads each device's future with `read` (Get or Value); throws the first error, naming its
+  // device.
+  template <typename Read>
+  void ThrowFirstDeviceError(Read read) const;
+
   const std::vector<c10::Device> devices_;
   const std::vector<c10::intrusive_ptr<VoidFuture>> futures_;
   std::atomic<bool> consumed_{false};

@@ -32,6 +32,7 @@
 #include "../ops/get_tensor.h"
 #include "../ops/runtime_hooks.h"
 #include "../ops/sync.h"
+#include "python_callbacks.h"
 #include "python_waits.h"
 
 namespace py = pybind11;
@@ -142,6 +143,22 @@ py::object TakeValue(const c10::intrusive_ptr<VoidFutureCollect>& collect) {
   return py::none();
 }
 
+// The value of a completed future, not consumed (Future::Value).
+template <typename T>
+py::object PeekValue(const c10::intrusive_ptr<Future<T>>& future) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    return py::cast(future->Value());
+  } else {
+    future->Value();
+    return py::none();
+  }
+}
+
+py::object PeekValue(const c10::intrusive_ptr<VoidFutureCollect>& collect) {
+  collect->Value();
+  return py::none();
+}
+
 template <typename W>
 py::object Get(const c10::intrusive_ptr<W>& self) {
   WaitReady(*self, std::nullopt);
@@ -163,14 +180,42 @@ c10::intrusive_ptr<W> HandleOf(py::handle wrapper) {
   return c10::intrusive_ptr<W>::reclaim_copy(&handle.cast<W&>());
 }
 
-// Installs get / wait / is_ready / valid on a Python wrapper class (dtorch_ops' futures) as C++
-// methods reading its `_h` slot: one C++ call each, with no Python frame in between.
+// Installs get / wait / value / is_ready / done / valid / add_done_callback on a Python wrapper
+// class (dtorch_ops' futures) as C++ methods reading its `_h` slot: one C++ call each, with no
+// Python frame in between. with_values=false leaves out those that return the value (get, wait,
+// value), for a wrapper that keeps its value itself (dtorch_ops.ObjectFuture).
 template <typename W>
-void InstallWaitMethods(py::object cls) {
+void InstallWaitMethods(py::object cls, bool with_values) {
   const auto install = [&](const char* name, auto fn, const char* doc, auto... args) {
     cls.attr(name) =
         py::cpp_function(fn, py::name(name), py::is_method(cls), py::doc(doc), args...);
   };
+  const auto is_ready = [](py::handle self) { return HandleOf<W>(self)->IsReady(); };
+  install("is_ready", is_ready,
+          "True when get() would not block (a value or an error is there). Never blocks.");
+  install("done", is_ready, "is_ready() under torch.futures.Future's name.");
+  install("valid", [](py::handle self) { return HandleOf<W>(self)->Valid(); },
+          "False once get() or wait() has taken the value.");
+  install(
+      "add_done_callback",
+      [](py::handle self, py::handle callback) {
+        const auto handle = HandleOf<W>(self);
+        AddDoneCallback([&](std::function<void()> fire) { handle->OnReady(std::move(fire)); },
+                        callback, self);
+      },
+      "Calls callback(future) once the future is complete (a value or an error), at once if it\n"
+      "is. The callback reads the value with future.value(), which does not consume it, so\n"
+      "several callbacks can read one value.\n\n"
+      "It runs on the thread that completes the future when that is a Python thread, else on\n"
+      "the library's pool thread, with the GIL; never under a lock of the library. Keep it short.\n"
+      "An exception it raises is reported through sys.unraisablehook.",
+      py::arg("callback"));
+  if (!with_values) return;
+  install("value", [](py::handle self) { return PeekValue(HandleOf<W>(self)); },
+          "The value of a completed future, without consuming it (torch.futures.Future.value()):\n"
+          "the same object each time, or the future's error raised, until get() takes it.\n\n"
+          "Raises FutureNotReadyError before completion (never blocks): call it after wait(),\n"
+          "await, or in a done callback.");
   install("get", [](py::handle self) { return Get(HandleOf<W>(self)); },
           "Blocks until the value is ready and returns it; consumes the future.\n\n"
           "The GIL is released while waiting. On the main thread Ctrl-C interrupts the wait\n"
@@ -181,10 +226,6 @@ void InstallWaitMethods(py::object cls) {
           "fractions of a millisecond round up).\n\n"
           "Raises TimeoutError otherwise; the future stays valid and can be waited on again.",
           py::arg("timeout_ms"));
-  install("is_ready", [](py::handle self) { return HandleOf<W>(self)->IsReady(); },
-          "True when get() would not block (a value or an error is there). Never blocks.");
-  install("valid", [](py::handle self) { return HandleOf<W>(self)->Valid(); },
-          "False once get() or wait() has taken the value.");
 }
 
 template <typename T>
@@ -193,6 +234,7 @@ void BindFuture(py::module_& m) {
   py::class_<F, c10::intrusive_ptr<F>>(m, F::kClassName)
       .def("get", &Get<F>)
       .def("wait", &Wait<F>, py::arg("timeout_ms"))
+      .def("value", &PeekValue<T>)
       .def("is_ready", &F::IsReady)
       .def("valid", &F::Valid)
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
@@ -285,6 +327,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<VoidFutureCollect, c10::intrusive_ptr<VoidFutureCollect>>(m, "VoidFutureCollect")
       .def("get", &Get<VoidFutureCollect>)
       .def("wait", &Wait<VoidFutureCollect>, py::arg("timeout_ms"))
+      .def("value", [](const c10::intrusive_ptr<VoidFutureCollect>& self) { return PeekValue(self); })
       .def("is_ready", &VoidFutureCollect::IsReady)
       .def("valid", &VoidFutureCollect::Valid)
       .def("devices", &VoidFutureCollect::Devices)
@@ -321,12 +364,19 @@ PYBIND11_MODULE(_C, m) {
   });
 
   // dtorch_ops.futures calls these on its classes once they are defined.
-  m.def("install_wait_methods", [](py::object cls, py::object handle_cls) {
-    if (handle_cls.is(py::type::of<TensorFuture>())) return InstallWaitMethods<TensorFuture>(cls);
-    if (handle_cls.is(py::type::of<VoidFuture>())) return InstallWaitMethods<VoidFuture>(cls);
-    TORCH_INTERNAL_ASSERT(handle_cls.is(py::type::of<VoidFutureCollect>()));
-    InstallWaitMethods<VoidFutureCollect>(cls);
-  });
+  m.def(
+      "install_wait_methods",
+      [](py::object cls, py::object handle_cls, bool with_values) {
+        if (handle_cls.is(py::type::of<TensorFuture>())) {
+          return InstallWaitMethods<TensorFuture>(cls, with_values);
+        }
+        if (handle_cls.is(py::type::of<VoidFuture>())) {
+          return InstallWaitMethods<VoidFuture>(cls, with_values);
+        }
+        TORCH_INTERNAL_ASSERT(handle_cls.is(py::type::of<VoidFutureCollect>()));
+        InstallWaitMethods<VoidFutureCollect>(cls, with_values);
+      },
+      py::arg("cls"), py::arg("handle_cls"), py::arg("with_values") = true);
 
   // Process exit (dtorch_ops' atexit handler) and diagnostics for the tests.
   m.def("close_exit_gate", &CloseExitGate);

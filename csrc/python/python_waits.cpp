@@ -79,6 +79,17 @@ ReleasedGil::~ReleasedGil() {
   --reacquiring;
 }
 
+GilUnlessExiting::GilUnlessExiting() {
+  ++reacquiring;  // (counted, as ~ReleasedGil, so that CloseExitGate lets us through first)
+  if (exit_gate_closed.load() && !IsMainThread()) {
+    --reacquiring;
+    return;
+  }
+  state_ = PyGILState_Ensure();
+  --reacquiring;
+  taken_ = true;
+}
+
 void RaiseIfSignalled() {
   if (PyErr_CheckSignals() != 0) throw pybind11::error_already_set();
 }

@@ -60,6 +60,24 @@ class ReleasedGil {
   PyThreadState* state_;
 };
 
+// Takes the GIL for its scope on any thread, a library thread included (PyGILState_Ensure),
+// unless the exit gate is closed and this is not the main thread: then it takes nothing, and
+// the caller must not touch Python (finalization may have begun).
+class GilUnlessExiting {
+ public:
+  GilUnlessExiting();
+  ~GilUnlessExiting() {
+    if (taken_) PyGILState_Release(state_);
+  }
+  GilUnlessExiting(const GilUnlessExiting&) = delete;
+  GilUnlessExiting& operator=(const GilUnlessExiting&) = delete;
+  explicit operator bool() const { return taken_; }
+
+ private:
+  bool taken_ = false;
+  PyGILState_STATE state_{};
+};
+
 // Raises Python's pending signal exception (KeyboardInterrupt) as py::error_already_set.
 void RaiseIfSignalled();
 
