@@ -177,10 +177,11 @@ def _register_inductor_lowerings(lowering_module) -> None:
     from torch._inductor.virtualized import V
 
     def refuse_cpp_wrapper(op):
-        if op in _OPS_RETURNING_PYTHON_OBJECTS and V.graph.cpp_wrapper:
+        if op in _OPS_WITH_PYTHON_OBJECTS and V.graph.cpp_wrapper:
             raise RuntimeError(
-                f"dtorch: {op} returns a Python future, which inductor's cpp_wrapper mode cannot "
-                "hold: compile this graph without cpp_wrapper, or make the future outside it")
+                f"dtorch: {op} returns or takes a Python object (a future, a promise), which "
+                "inductor's cpp_wrapper mode cannot hold: compile this graph without "
+                "cpp_wrapper, or make the future (or fulfil the promise) outside it")
 
     def lower_holding_input(op):
         def lowering(input, *args):
@@ -203,7 +204,7 @@ def _register_inductor_lowerings(lowering_module) -> None:
 
     for op in _OPS_HOLDING_THEIR_INPUT:
         lowering_module.register_lowering(op, type_promotion_kind=None)(lower_holding_input(op))
-    for op in set(_OPS_RETURNING_PYTHON_OBJECTS) - set(_OPS_HOLDING_THEIR_INPUT):
+    for op in set(_OPS_WITH_PYTHON_OBJECTS) - set(_OPS_HOLDING_THEIR_INPUT):
         lowering_module.register_lowering(op, type_promotion_kind=None)(
             lower_refusing_cpp_wrapper(op))
 
@@ -217,9 +218,10 @@ def _defined_ops(*names):
 
 # Ops whose kernels keep a reference to their tensor input after they return (the futures they
 # fulfil alias it).
-_OPS_HOLDING_THEIR_INPUT = _defined_ops("get_tensor", "to_torch_async")
-# The Python-defined ops returning future objects.
-_OPS_RETURNING_PYTHON_OBJECTS = _defined_ops("to_torch_async", "sync_async")
+_OPS_HOLDING_THEIR_INPUT = _defined_ops("get_tensor", "to_torch_async", "get_tensor_opaque")
+# The Python-defined ops, which return or take Python objects (futures, promises).
+_OPS_WITH_PYTHON_OBJECTS = _defined_ops("to_torch_async", "sync_async", "get_tensor_opaque",
+                                        "sync_into_opaque")
 # Ops that take a tensor: a DTensor gets the error that says to pass a local tensor.
 _OPS_TAKING_A_TENSOR = tuple(op.name() for op in _OPS_HOLDING_THEIR_INPUT) + (
     "dtorch::get_tensor_async",)

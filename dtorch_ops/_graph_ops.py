@@ -1,4 +1,5 @@
-"""Ops that create futures inside torch.compile graphs: the Python future classes as opaque types.
+"""Ops that create futures and fulfil promises inside torch.compile graphs: the Python future and
+promise classes as opaque types.
 
 Dynamo accepts an op's output only if it is a tensor, a FakeScriptObject or an object of a
 registered opaque type; a TorchScript object (what ``dtorch::get_tensor_async`` returns) is none
@@ -14,6 +15,13 @@ placeholder future (it fails with a message saying where it came from); they are
 so a compiled graph keeps them, runs them once per call and records the completion right after the
 value's producer. ``dtorch_ops.to_torch_async`` / ``sync_async`` call them only while compiling:
 eager calls keep the direct binding (one C++ call, no dispatcher round trip through Python).
+
+The Python promise classes are opaque reference types too, taken by two more ops, so that a
+compiled step fulfils a promise created outside without its TorchScript object (made on first use
+of ``.raw`` only: ~290 bytes a promise would otherwise carry from birth):
+
+    dtorch::get_tensor_opaque(Tensor input, dtorch_ops.futures.TensorPromise promise) -> ()
+    dtorch::sync_into_opaque(Device[]? devices, dtorch_ops.futures.VoidPromise promise) -> ()
 
 Before torch 2.12 (Dynamo cannot return an opaque object from a graph), or where this torch refuses
 these registrations, ``define`` returns None and compiled code falls back to the raw ops: a graph
@@ -35,6 +43,8 @@ class GraphOps:
 
     to_torch_async: torch._ops.OpOverload
     sync_async: torch._ops.OpOverload
+    get_tensor: torch._ops.OpOverload  # dtorch::get_tensor_opaque
+    sync_into: torch._ops.OpOverload  # dtorch::sync_into_opaque
 
 
 def opaque_metaclass() -> type:
@@ -75,6 +85,8 @@ def _returns_opaques_from_graphs() -> bool:
 # What a user may call on a future; the placeholder's versions break the graph.
 _WAIT_MEMBERS = ("get", "wait", "value", "is_ready", "done", "valid", "kind", "devices",
                  "add_done_callback", "then", "to_torch_future")
+# What a user may call on a promise (each breaks the graph, or refuses under export).
+_PROMISE_MEMBERS = ("set_value", "set_exception", "get_future", "kind", "serialize", "raw")
 
 
 def _placeholder_class(cls):
@@ -127,9 +139,11 @@ def require_fake_mode(op: str, input) -> None:
 _library = None
 
 
-def define(tensor_future_cls, collect_cls, c_module) -> GraphOps | None:
-    """Registers the future classes as opaque types and defines the ops; None where this torch
-    cannot (compiled code then falls back to a graph break)."""
+def define(tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
+           c_module) -> GraphOps | None:
+    """Registers the future and promise classes as opaque types and defines the ops; None where
+    this torch cannot (compiled code then falls back to a graph break, and to the promises'
+    TorchScript objects)."""
     global _library
     try:
         from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
@@ -139,14 +153,17 @@ def define(tensor_future_cls, collect_cls, c_module) -> GraphOps | None:
     if not isinstance(tensor_future_cls, opaque_metaclass()) or not _returns_opaques_from_graphs():
         return None
     try:
-        for cls in (tensor_future_cls, collect_cls):
+        classes = (tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls)
+        for cls in classes:
             register_opaque_type(cls, typ="reference")
-        future_type = get_opaque_type_name(tensor_future_cls)
-        collect_type = get_opaque_type_name(collect_cls)
+        future_type, collect_type, tensor_promise_type, void_promise_type = (
+            get_opaque_type_name(cls) for cls in classes)
         library = torch.library.Library(NAMESPACE, "FRAGMENT")
         # Library.define rather than torch.library.custom_op: ~20 % less per call.
         library.define(f"to_torch_async(Tensor input) -> {future_type}")
         library.define(f"sync_async(Device[]? devices=None) -> {collect_type}")
+        library.define(f"get_tensor_opaque(Tensor input, {tensor_promise_type} promise) -> ()")
+        library.define(f"sync_into_opaque(Device[]? devices, {void_promise_type} promise) -> ()")
     except Exception as e:  # a torch whose opaque API differs: the graph-break fallback
         warnings.warn(f"dtorch_ops: futures made inside torch.compile graphs fall back to a graph "
                       f"break on torch {torch.__version__} ({type(e).__name__}: {e})",
@@ -162,12 +179,18 @@ def define(tensor_future_cls, collect_cls, c_module) -> GraphOps | None:
     for cls in (tensor_future_cls, collect_cls):
         get_opaque_obj_info(cls).members.update(
             {name: MemberType.INLINED for name in (*_WAIT_MEMBERS, "raw") if hasattr(cls, name)})
+    # A promise's methods break the graph (or refuse under export) before touching its state.
+    for cls in (tensor_promise_cls, void_promise_cls):
+        get_opaque_obj_info(cls).members.update(
+            {name: MemberType.INLINED for name in _PROMISE_MEMBERS if hasattr(cls, name)})
     placeholder_future_cls = _placeholder_class(tensor_future_cls)
     placeholder_collect_cls = _placeholder_class(collect_cls)
     wrap_future = tensor_future_cls._wrap
     wrap_collect = collect_cls._wrap
     c_get_tensor_async = c_module.get_tensor_async
     c_sync_async = c_module.sync_async
+    c_get_tensor = c_module.get_tensor
+    c_sync_into = c_module.sync_into
 
     def to_torch_async(input):
         return wrap_future(c_get_tensor_async(input))
@@ -175,8 +198,16 @@ def define(tensor_future_cls, collect_cls, c_module) -> GraphOps | None:
     def sync_async(devices=None):
         return wrap_collect(c_sync_async(devices))
 
+    def get_tensor_opaque(input, promise):
+        c_get_tensor(input, promise._h)
+
+    def sync_into_opaque(devices, promise):
+        c_sync_into(devices, promise._h)
+
     library.impl("to_torch_async", to_torch_async, "CompositeExplicitAutograd")
     library.impl("sync_async", sync_async, "CompositeExplicitAutograd")
+    library.impl("get_tensor_opaque", get_tensor_opaque, "CompositeExplicitAutograd")
+    library.impl("sync_into_opaque", sync_into_opaque, "CompositeExplicitAutograd")
 
     # Fake kernels: Dynamo needs an instance of the registered class, not a fake object. Made
     # outside the fake mode (newer torch refuses reference opaques created under it); a
@@ -194,22 +225,35 @@ def define(tensor_future_cls, collect_cls, c_module) -> GraphOps | None:
         with unset_fake_temporarily():
             return placeholder_collect_cls._wrap(c_sync_async([]))
 
+    def get_tensor_opaque_fake(input, promise):
+        require_fake_mode("get_tensor_opaque", input)
+
     torch.library.register_fake(f"{NAMESPACE}::to_torch_async", to_torch_async_fake,
                                 lib=library)
     torch.library.register_fake(f"{NAMESPACE}::sync_async", sync_async_fake, lib=library)
-    for name in ("to_torch_async", "sync_async"):
+    torch.library.register_fake(f"{NAMESPACE}::get_tensor_opaque", get_tensor_opaque_fake,
+                                lib=library)
+    torch.library.register_fake(f"{NAMESPACE}::sync_into_opaque", lambda devices, promise: None,
+                                lib=library)
+    for name in ("to_torch_async", "sync_async", "get_tensor_opaque", "sync_into_opaque"):
         register_ordered_effect(f"{NAMESPACE}::{name}")
 
-    def refuse_vmap(info, in_dims, *args):
-        # As the C++ op refuses eagerly (FuncTorchDynamicLayerFrontMode): compiled code under
-        # torch.func.vmap reaches this Python op instead.
-        raise RuntimeError(
-            "dtorch: to_torch_async cannot run inside a torch.func transform (vmap): its future "
-            "would hold the transform's internal tensor, which carries no batch dimension. Take "
-            "the value outside the transform")
+    def refuse_vmap(name):
+        def refuse(info, in_dims, *args):
+            # As the C++ ops refuse eagerly (FuncTorchDynamicLayerFrontMode): compiled code under
+            # torch.func.vmap reaches these Python ops instead.
+            raise RuntimeError(
+                f"dtorch: {name} cannot run inside a torch.func transform (vmap): its future "
+                "would hold the transform's internal tensor, which carries no batch dimension. "
+                "Take the value outside the transform")
 
-    torch.library.register_vmap(f"{NAMESPACE}::to_torch_async", refuse_vmap, lib=library)
+        return refuse
+
+    for name, op in (("to_torch_async", "to_torch_async"), ("get_tensor", "get_tensor_opaque")):
+        torch.library.register_vmap(f"{NAMESPACE}::{op}", refuse_vmap(name), lib=library)
     _library = library
     ops = torch.ops.dtorch
     return GraphOps(to_torch_async=ops.to_torch_async.default,
-                    sync_async=ops.sync_async.default)
+                    sync_async=ops.sync_async.default,
+                    get_tensor=ops.get_tensor_opaque.default,
+                    sync_into=ops.sync_into_opaque.default)

@@ -557,8 +557,6 @@ def wait_all(futures) -> list:
     futures = collect_all(futures).get()
     return [future.value() for future in futures]
 
-# The ops that create these futures inside compiled graphs; None on a torch without opaque types.
-_graph = _graph_ops.define(TensorFuture, VoidFutureCollect, _C)
 
 
 _PROMISE_FORMS = ("The forms that compile: dtorch_ops.get_tensor(t, promise) / sync_into(devices, "
@@ -569,32 +567,42 @@ _PROMISE_CREATION = ("a graph cannot create a promise. To compile the whole step
                      "dtorch_ops.to_torch_async(t), which compiles and returns the future")
 
 
-def _refuse_promise_use(call: str, in_graph: str, in_export: str) -> None:
-    """Called where is_compiling(): breaks the graph under Dynamo (message: call + in_graph),
-    refuses under export's non-strict tracing, which runs it for real with fake values (call +
-    in_export), and returns where another thread is compiling."""
-    if _is_dynamo_compiling():
-        torch._dynamo.graph_break(msg=f"{call} inside a compiled region runs eagerly {in_graph}")
-    elif _tracing_here():
-        raise RuntimeError(f"dtorch: {call} while tracing (torch.export){in_export}")
-
-
-def _refuse_promise_method(name: str) -> None:
-    _refuse_promise_use(
-        f"a dtorch_ops promise's {name}()", f"(a graph break). {_PROMISE_FORMS}",
-        " would act on the real promise with traced values and not be part of the program. "
-        + _PROMISE_FORMS)
-
-
 def _refuse_promise_in_graph(name: str) -> None:
-    _refuse_promise_use(f"dtorch_ops.{name}()", f"(a graph break): {_PROMISE_CREATION}",
-                        f": {_PROMISE_CREATION}")
+    """Called where is_compiling() by a promise's constructor: breaks the graph under Dynamo,
+    refuses under export's non-strict tracing, which runs it for real with fake values, and
+    returns where another thread is compiling. (Where promises are opaque types, Dynamo breaks
+    the graph at the constructor call itself, with its own message to the same effect.)"""
+    if _is_dynamo_compiling():
+        torch._dynamo.graph_break(msg=f"dtorch_ops.{name}() inside a compiled region runs eagerly "
+                                      f"(a graph break): {_PROMISE_CREATION}")
+    elif _tracing_here():
+        raise RuntimeError(f"dtorch: dtorch_ops.{name}() while tracing (torch.export): "
+                           f"{_PROMISE_CREATION}")
 
 
-class _PromiseBase:
-    """set_value once, or set_exception; get_future once; pickling through serialize()."""
+def _promise_method_traced(name: str) -> bool:
+    """Called where is_compiling() by a promise's method: True under Dynamo (the caller then runs
+    the call eagerly through _InGraphEagerly.promise_methods: a graph break), raises under export's
+    non-strict tracing, which would run it for real with fake values, and False where another
+    thread is compiling (this call is eager)."""
+    if _is_dynamo_compiling():
+        return True
+    if _tracing_here():
+        raise RuntimeError(
+            f"dtorch: a dtorch_ops promise's {name}() while tracing (torch.export) would act on "
+            f"the real promise with traced values and not be part of the program. "
+            f"{_PROMISE_FORMS}")
+    return False
 
-    __slots__ = ("_h", "_raw")
+
+class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
+    """set_value once, or set_exception; get_future once; pickling through serialize().
+
+    Opaque types for torch.compile, like the futures (dtorch_ops/_graph_ops.py).
+    """
+
+    # __weakref__: tracing keeps opaque objects in weak dictionaries.
+    __slots__ = ("_h", "_raw", "__weakref__")
     _HANDLE = None
     _FUTURE = _Waitable
 
@@ -625,9 +633,11 @@ class _PromiseBase:
 
     def _init_handle(self, handle):
         self._h = handle
-        # Made now, not on first use: a promise passed into a compiled step must not create
-        # objects while Dynamo traces it.
-        self._raw = handle.script()
+        if _graph is None:
+            # Compiled code passes the raw promise to the ops: made now, as a promise passed
+            # into a compiled step must not create objects while Dynamo traces it. (Else made
+            # on first use of .raw: compiled code passes this object itself.)
+            self._raw = handle.script()
 
     @classmethod
     def from_serialized(cls, s: str):
@@ -646,26 +656,35 @@ class _PromiseBase:
     @property
     def raw(self):
         """The TorchScript object of the same state (for TorchScript and torch.ops calls)."""
-        return self._raw
+        if _is_dynamo_compiling():
+            return _InGraphEagerly.get_member(self, "raw")  # a graph break
+        raw = getattr(self, "_raw", None)
+        if raw is None:
+            raw = self._raw = self._h.script()
+        return raw
 
     def get_future(self):
         """The consumer's end; a promise has exactly one future."""
-        if _is_compiling():
-            _refuse_promise_method("get_future")
+        if _is_compiling() and _promise_method_traced("get_future"):
+            return _InGraphEagerly.promise_methods["get_future"](self)
         return self._FUTURE._wrap(self._h.get_future())
 
     def set_exception(self, message: str) -> None:
         """Fails the future: its get()/wait()/await raise an error carrying message."""
-        if _is_compiling():
-            _refuse_promise_method("set_exception")
+        if _is_compiling() and _promise_method_traced("set_exception"):
+            return _InGraphEagerly.promise_methods["set_exception"](self, message)
         self._h.set_exception(str(message))
 
     def kind(self) -> str:
+        if _is_dynamo_compiling():
+            return _InGraphEagerly.call_member(self, "kind")  # a graph break
         return self._h.kind()
 
     def serialize(self) -> str:
         """A string another process can pass to from_serialized (file promises); memory
         promises raise CannotLeaveProcessError (a TypeError)."""
+        if _is_dynamo_compiling():
+            return _InGraphEagerly.call_member(self, "serialize")  # a graph break
         return self._h.serialize()
 
     def __reduce__(self):
@@ -697,8 +716,8 @@ class TensorPromise(_PromiseBase):
     def set_value(self, t: torch.Tensor) -> None:
         """Fulfils the promise with t (memory: no copy; file: copied now). A second set raises
         PromiseAlreadySatisfiedError; the first value stays."""
-        if _is_compiling():
-            _refuse_promise_method("set_value")
+        if _is_compiling() and _promise_method_traced("set_value"):
+            return _InGraphEagerly.promise_methods["set_value"](self, t)
         _check_local_tensor(t, "TensorPromise.set_value")
         self._h.set_value(t)
 
@@ -713,9 +732,14 @@ class VoidPromise(_PromiseBase):
 
     def set_value(self) -> None:
         """Signals completion. A second set raises."""
-        if _is_compiling():
-            _refuse_promise_method("set_value")
+        if _is_compiling() and _promise_method_traced("set_value"):
+            return _InGraphEagerly.promise_methods["set_value"](self)
         self._h.set_value()
+
+
+# The ops that create futures and fulfil promises inside compiled graphs; None on a torch without
+# opaque types (promises then carry their TorchScript object from birth, for the raw ops).
+_graph = _graph_ops.define(TensorFuture, VoidFutureCollect, TensorPromise, VoidPromise, _C)
 
 
 def _promise_handle(promise, wrapper=TensorPromise):
@@ -731,9 +755,14 @@ def _promise_handle(promise, wrapper=TensorPromise):
 
 
 def _traced_promise(promise, wrapper=TensorPromise):
-    """The object to pass to the op in compiled code: the wrapper's raw promise, else what was
+    """The object to pass to the raw op in traced code: the wrapper's raw promise, else what was
     passed (a raw promise is a stand-in while tracing; the op's schema checks its class)."""
-    return promise._raw if isinstance(promise, wrapper) else promise
+    return promise.raw if isinstance(promise, wrapper) else promise
+
+
+def _opaque_promise(promise, wrapper) -> bool:
+    """Whether Dynamo traces a call with a wrapper promise that the graph op takes as it is."""
+    return _graph is not None and _is_dynamo_compiling() and isinstance(promise, wrapper)
 
 
 def get_tensor(t: torch.Tensor, promise) -> None:
@@ -743,7 +772,10 @@ def get_tensor(t: torch.Tensor, promise) -> None:
     """
     if _is_compiling():
         _check_local_tensor(t, "get_tensor")
-        _get_tensor_op(t, _traced_promise(promise))
+        if _opaque_promise(promise, TensorPromise):
+            _graph.get_tensor(t, promise)
+        else:
+            _get_tensor_op(t, _traced_promise(promise))
     elif _fake_mode_active() or _is_tracing_tensor(t):
         # Eagerly, under a FakeTensorMode made by hand: the fake kernel would leave the promise
         # unfulfilled for good. (The raw op cannot tell this from AOTAutograd's own fake passes.)
@@ -796,10 +828,20 @@ class _InGraphEagerly:
     is imported (no graph is traced before), as importing it with dtorch_ops would cost ~1 s."""
 
     to_torch = to_torch_async = call_member = get_member = None
+    # A promise's method name -> a caller running promise.<name>(*args) eagerly.
+    promise_methods = {}
 
     @classmethod
     def define(cls, _dynamo_module) -> None:
         disable = torch.compiler.disable
+
+        def promise_method(name):
+            return disable(lambda promise, *args: getattr(promise, name)(*args), reason=(
+                f"a dtorch_ops promise's {name}() inside a compiled region runs eagerly (a graph "
+                f"break). {_PROMISE_FORMS}"))
+
+        cls.promise_methods = {name: promise_method(name)
+                               for name in ("get_future", "set_exception", "set_value")}
         waiting = ("waiting on a dtorch_ops future, or asking its state, inside a compiled "
                    "region runs eagerly (a graph break). To compile the whole step, call get() / "
                    "wait() / is_ready() / kind() / .raw outside the compiled function")
@@ -887,7 +929,11 @@ def sync_into(devices, promise) -> None:
     """Fulfils a VoidPromise (it may belong to another process) when the devices are done.
     Usable inside torch.compile'd code with a promise created outside."""
     if _is_compiling():
-        _sync_into_op(_device_list(devices, "sync_into"), _traced_promise(promise, VoidPromise))
+        devices = _device_list(devices, "sync_into")
+        if _opaque_promise(promise, VoidPromise):
+            _graph.sync_into(devices, promise)
+        else:
+            _sync_into_op(devices, _traced_promise(promise, VoidPromise))
         return
     _C.sync_into(_device_list(devices, "sync_into"), _promise_handle(promise, VoidPromise))
 

@@ -63,9 +63,15 @@ def test_raw_op_results_wrap_and_python_results_unwrap():
     assert not collect.valid()
 
 
-def test_a_promise_makes_its_raw_object_at_construction():
+def test_a_promise_makes_its_raw_object_on_first_use_where_compiled_code_takes_the_promise():
     promise = dtorch_ops.TensorPromise()
-    assert isinstance(promise._raw, torch.ScriptObject)
+    # Compiled code passes the promise itself to a graph op where torch has opaque types (its
+    # TorchScript object, ~290 B, is then made on first use); else the raw object, made now.
+    assert hasattr(promise, "_raw") == (dtorch_ops.futures._graph is None)
+    raw = promise.raw
+    assert isinstance(raw, torch.ScriptObject) and promise.raw is raw
+    raw.set_value(torch.ones(1))
+    assert promise.get_future().get().tolist() == [1.0]  # one state
 
 
 # ---- 1. exit while threads wait ----

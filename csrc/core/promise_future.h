@@ -114,6 +114,7 @@ class PromiseBackend {
   // A string the kind's deserializer (kind_registry.h) turns back into this promise in another
   // process. Throws FutureError(kCannotLeaveProcess) for kinds that stay in one process.
   virtual std::string Serialize() = 0;
+  // The kind's name, with static storage (handles keep the pointer).
   virtual const char* Kind() const = 0;
 
  protected:

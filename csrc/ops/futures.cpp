@@ -114,8 +114,8 @@ const core::KindRegistry<T>& Kinds() {
 }  // namespace
 
 template <typename T>
-Future<T>::Future(std::unique_ptr<core::FutureBackend<T>> backend, std::string kind)
-    : backend_(std::move(backend)), kind_(std::move(kind)) {
+Future<T>::Future(std::unique_ptr<core::FutureBackend<T>> backend, const char* kind)
+    : backend_(std::move(backend)), kind_(kind) {
   TORCH_INTERNAL_ASSERT(backend_ != nullptr);
 }
 

@@ -67,7 +67,8 @@ template <typename T>
 class Future : public torch::CustomClassHolder {
  public:
   static constexpr const char* kClassName = PairNames<T>::kFuture;
-  Future(std::unique_ptr<core::FutureBackend<T>> backend, std::string kind);
+  // kind: the backend's kind name (a string with static storage).
+  Future(std::unique_ptr<core::FutureBackend<T>> backend, const char* kind);
 
   // Blocks until the value is ready and returns it; consumes the future (Valid() is false after).
   T Get();
@@ -82,14 +83,14 @@ class Future : public torch::CustomClassHolder {
   bool WaitFor(int64_t timeout_ms) const;
   bool IsReady() const;
   bool Valid() const;
-  const std::string& Kind() const { return kind_; }
+  std::string Kind() const { return kind_; }
   // Runs callback once when the value (or an error) is ready, on the completing thread, or at once
   // if it already is. For event-loop integration; callback must be cheap and must not block.
   void OnReady(std::function<void()> callback);
 
  private:
   const std::unique_ptr<core::FutureBackend<T>> backend_;
-  const std::string kind_;
+  const char* const kind_;  // static storage: the kind registry's name
 };
 
 template <typename T>
@@ -124,14 +125,14 @@ class Promise : public torch::CustomClassHolder {
   void FailClaimed(core::FutureErrc code, const std::string& detail) noexcept;
   // The consumer's end; callable once.
   c10::intrusive_ptr<Future<T>> GetFuture();
-  const std::string& Kind() const { return kind_; }
+  std::string Kind() const { return kind_; }
   // A string another process can turn back into this promise (FromSerialized). Memory promises
   // cannot leave the process and raise TypeError.
   std::string Serialize() const;
 
  private:
   const std::unique_ptr<core::PromiseBackend<T>> backend_;
-  const std::string kind_;
+  const char* const kind_;  // static storage: the kind registry's name
 };
 
 using TensorFuture = Future<at::Tensor>;
