@@ -176,6 +176,17 @@ def _above_subclass(t, what: str) -> bool:
             and not _is_tracing_tensor(t))
 
 
+def _script_object_of(handle_owner):
+    """The `raw` of a future or promise: the TorchScript object of its handle's state, made on
+    first use and kept (a graph break under Dynamo, which cannot trace the binding)."""
+    if _is_dynamo_compiling():
+        return _InGraphEagerly.get_member(handle_owner, "raw")
+    raw = getattr(handle_owner, "_raw", None)
+    if raw is None:
+        raw = handle_owner._raw = handle_owner._h.script()
+    return raw
+
+
 class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
     """get / wait / is_ready / valid / await over a handle (its class: _HANDLE).
 
@@ -235,15 +246,8 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
         handle = self._h = self._HANDLE.from_script(self._raw)
         return handle
 
-    @property
-    def raw(self):
-        """The TorchScript object of the same state (for TorchScript and torch.ops calls)."""
-        if _is_dynamo_compiling():
-            return _InGraphEagerly.get_member(self, "raw")  # a graph break
-        raw = getattr(self, "_raw", None)
-        if raw is None:
-            raw = self._raw = self._h.script()
-        return raw
+    raw = property(_script_object_of, doc=(
+        "The TorchScript object of the same state (for TorchScript and torch.ops calls)."))
 
     # get(), wait(timeout_ms), value(), is_ready(), done(), valid() and add_done_callback() are
     # C++ methods installed by the binding (_C.install_wait_methods, below the classes).
@@ -653,15 +657,8 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
         promise._init_handle(cls._HANDLE.from_serialized(s))
         return promise
 
-    @property
-    def raw(self):
-        """The TorchScript object of the same state (for TorchScript and torch.ops calls)."""
-        if _is_dynamo_compiling():
-            return _InGraphEagerly.get_member(self, "raw")  # a graph break
-        raw = getattr(self, "_raw", None)
-        if raw is None:
-            raw = self._raw = self._h.script()
-        return raw
+    raw = property(_script_object_of, doc=(
+        "The TorchScript object of the same state (for TorchScript and torch.ops calls)."))
 
     def get_future(self):
         """The consumer's end; a promise has exactly one future."""
