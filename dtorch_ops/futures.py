@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import sys
 import threading
-import typing
 import weakref
 
 import torch
@@ -382,7 +381,7 @@ class ObjectFuture(_Waitable):
     Thread-safe.
     """
 
-    __slots__ = ("_result",)  # (True, value) or (False, exception), set before completion
+    __slots__ = ("_result",)  # (True, value) or (False, exception), set before completion, kept
     _HANDLE = _C.VoidFuture  # the completion; the value stays in Python
     _PRODUCED_BY = "then() or collect_all()"
 
@@ -396,17 +395,18 @@ class ObjectFuture(_Waitable):
         """Blocks until the value is ready and returns it (or raises the error); consumes the
         future. The GIL is released while waiting."""
         self._h.get()  # waits; raises once consumed, or broken
-        return self._take()
+        return _unpack(self._result)
 
     def wait(self, timeout_ms):
         """Like get() if the value arrives within timeout_ms; else raises TimeoutError and the
         future stays valid."""
         self._h.wait(timeout_ms)
-        return self._take()
+        return _unpack(self._result)
 
     def value(self):
-        """The value of a completed future without consuming it, or its error raised."""
-        self._h.value()  # raises FutureNotReadyError before completion, or once consumed
+        """The value of a completed future without consuming it (also after get()), or its
+        error raised."""
+        self._h.value()  # raises FutureNotReadyError before completion
         return _unpack(self._result)
 
     def __await__(self):
@@ -421,10 +421,6 @@ class ObjectFuture(_Waitable):
 
     def __repr__(self) -> str:
         return f"dtorch_ops.ObjectFuture({self._state()})"
-
-    def _take(self):
-        result, self._result = self._result, None  # the future no longer keeps the value
-        return _unpack(result)
 
 
 def _unpack(result):
@@ -484,10 +480,13 @@ def _adopt_into(torch_future, settle) -> None:
 
 def _returns_tensor(callback) -> bool:
     """Whether callback is annotated to return a tensor (then() then makes a TensorFuture)."""
-    try:
-        return typing.get_type_hints(callback).get("return") is _Tensor
-    except Exception:  # not a function, or annotations that do not resolve
-        return False
+    annotation = getattr(callback, "__annotations__", {}).get("return")
+    if isinstance(annotation, str):  # (from __future__ import annotations)
+        try:
+            annotation = eval(annotation, getattr(callback, "__globals__", {}))  # noqa: S307
+        except Exception:  # a name that does not resolve: not known to be a tensor
+            return False
+    return annotation is _Tensor
 
 
 def _adopter(promise_class):
@@ -754,12 +753,17 @@ def _promise_handle(promise, wrapper=TensorPromise):
 def _traced_promise(promise, wrapper=TensorPromise):
     """The object to pass to the raw op in traced code: the wrapper's raw promise, else what was
     passed (a raw promise is a stand-in while tracing; the op's schema checks its class)."""
-    return promise.raw if isinstance(promise, wrapper) else promise
+    if not isinstance(promise, wrapper):
+        return promise
+    # A wrapper gets here only where promises are not opaque types: it made its raw object at
+    # construction, a slot Dynamo reads (.raw would break the graph).
+    return promise._raw
 
 
 def _opaque_promise(promise, wrapper) -> bool:
-    """Whether Dynamo traces a call with a wrapper promise that the graph op takes as it is."""
-    return _graph is not None and _is_dynamo_compiling() and isinstance(promise, wrapper)
+    """Whether traced code (Dynamo, or torch.export's non-strict tracing) passes a wrapper promise
+    to the graph op as it is: a program input, not a constant object baked into the program."""
+    return _graph is not None and isinstance(promise, wrapper)
 
 
 def get_tensor(t: torch.Tensor, promise) -> None:

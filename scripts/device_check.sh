@@ -53,7 +53,7 @@ for file in tests/test_*.py tests/gpu/test_*.py; do
 done
 echo "tests done: $(( $(date +%s) - start )) s"
 if [ "${BENCH:-1}" = 1 ]; then
-  QUICK=${QUICK:-1} timeout 240 python3 benchmarks/run_all.py 2>&1 | tee "$OUT/bench.log"
+  QUICK=${QUICK:-1} timeout 240 python3 benchmarks/run_all.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
   echo "all done: $(( $(date +%s) - start )) s"
 fi
 exit $status

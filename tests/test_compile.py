@@ -816,6 +816,33 @@ def test_export_with_a_promise_input_runs():
     assert not example_future.is_ready()
 
 
+class _ExportedWithWrappers(torch.nn.Module):
+    def forward(self, x, promise, done):
+        dtorch_ops.get_tensor(x * 2, promise)
+        dtorch_ops.sync_into("cpu", done)
+        return x + 1
+
+
+@GRAPH_OPS
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_with_wrapper_promises_takes_them_as_inputs(strict):
+    # The promises are inputs of the program: each call fulfils the ones passed to it, never the
+    # example ones export traced with.
+    example, example_done = dtorch_ops.TensorPromise(), dtorch_ops.VoidPromise()
+    example_future, example_done_future = example.get_future(), example_done.get_future()
+    ep = torch.export.export(_ExportedWithWrappers(), (torch.ones(2), example, example_done),
+                             strict=strict)
+    runnable = ep.module()
+    for i in range(2):
+        promise, done = dtorch_ops.TensorPromise(), dtorch_ops.VoidPromise()
+        future, done_future = promise.get_future(), done.get_future()
+        out = runnable(torch.full((2,), float(i)), promise, done)
+        assert out.tolist() == [i + 1.0] * 2
+        assert future.wait(WAIT_MS).tolist() == [2.0 * i] * 2
+        assert done_future.wait(WAIT_MS) is None
+    assert not example_future.is_ready() and not example_done_future.is_ready()
+
+
 def test_saving_an_export_that_holds_a_memory_promise_says_why():
     import io
 

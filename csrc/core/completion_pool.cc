@@ -1,5 +1,6 @@
 #include "completion_pool.h"
 
+#include <cxxabi.h>
 #include <pthread.h>
 
 #include <condition_variable>
@@ -40,6 +41,8 @@ struct CompletionPool::State {
     return [this, work = std::move(work)] {
       try {
         work();
+      } catch (const abi::__forced_unwind&) {
+        throw;  // the thread is being ended (pthread_exit: CPython at finalization): let it end
       } catch (...) {
         // Completion work reports its errors through the values it completes.
       }

@@ -11,7 +11,9 @@
 // is abandoned (never run, never destroyed) and Post throws. Fork: the child inherits no pool
 // thread; the parent's queued work is abandoned there, and the first Post starts a new pool.
 //
-// Work must not throw (an exception escaping it is caught and ignored) nor take the GIL.
+// Work must not throw (an exception escaping it is caught and ignored). Work that takes the GIL
+// (the _C module's Python callbacks) must not take it once Python's exit has begun
+// (python/python_waits.h: GilUnlessExiting).
 //
 // Thread-safety: every method may be called from any thread.
 #pragma once

@@ -183,6 +183,10 @@ std::string FileDoorbellSegment();
 
 // ---- the kind's backends ----
 
+// Receiving a value from the pair is destructive (the consumer unlinks what it received), so the
+// future takes it once, when it is first asked for (Get or Value), and keeps the completion for
+// Value() (SharedState's semantics). The pair's callbacks run in its WaitUntil, which is called
+// before mu_ is taken: a callback may read this future.
 template <typename T>
 class FileFuture final : public FutureBackend<T> {
  public:
@@ -190,59 +194,39 @@ class FileFuture final : public FutureBackend<T> {
       : consumer_(std::move(consumer)), codec_(std::move(codec)) {}
 
   T Get() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (peeked_) {  // Value() took it from the pair: hand that over
-        if (taken_) throw FutureError(FutureErrc::kNoState, kTakenDetail);
-        taken_ = true;
-        return std::exchange(peeked_, std::nullopt)->TakeOrThrow();
-      }
-    }
-    try {
-      return TakeFromPair();
-    } catch (const FutureError& e) {
-      if (e.code() != FutureErrc::kNoState) throw;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!peeked_ || taken_) throw;
-      }
-      return Get();  // Value() took it between our check and the pair's
-    }
-  }
-  // Receiving a value is destructive (the consumer unlinks what it received), so the first
-  // Value() takes it from the pair and keeps it here for the next Value() and Get().
-  T Value() override {
+    WaitUntil(Deadline::max());
     std::lock_guard<std::mutex> lock(mu_);
     if (taken_) throw FutureError(FutureErrc::kNoState, kTakenDetail);
-    if (!peeked_) {
-      if (!consumer_->IsReady()) {
-        if (!consumer_->Valid()) throw FutureError(FutureErrc::kNoState, kTakenDetail);
-        throw FutureError(FutureErrc::kNotReady, kNotReadyDetail);
-      }
-      try {
-        peeked_ = Result<T>::Value(TakeFromPair());
-      } catch (const FutureError& e) {
-        if (e.code() == FutureErrc::kNoState) throw;  // Get() took it meanwhile
-        peeked_ = Result<T>::Error(e.code(), e.detail());
-      }
+    taken_ = true;
+    return ReceivedLocked().CopyOrThrow();
+  }
+  T Value() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (received_) return received_->CopyOrThrow();
     }
-    return peeked_->CopyOrThrow();
+    if (!PairWaitUntil(Deadline())) {  // (a poll)
+      throw FutureError(FutureErrc::kNotReady, kNotReadyDetail);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    return ReceivedLocked().CopyOrThrow();
   }
   bool WaitUntil(Deadline deadline) const override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (taken_) throw FutureError(FutureErrc::kNoState, kTakenDetail);
-      if (peeked_) return true;
+      if (received_) return true;
     }
-    return consumer_->WaitUntil(deadline);
+    return PairWaitUntil(deadline);
   }
   bool IsReady() const override {
     std::lock_guard<std::mutex> lock(mu_);
-    return peeked_ ? !taken_ : consumer_->IsReady();
+    if (taken_) return false;
+    return received_ || consumer_->IsReady();
   }
   bool Valid() const override {
     std::lock_guard<std::mutex> lock(mu_);
-    return peeked_ ? !taken_ : consumer_->Valid();
+    return !taken_;
   }
   void OnReady(std::function<void()> callback) override {
     consumer_->OnReady(std::move(callback));
@@ -252,17 +236,43 @@ class FileFuture final : public FutureBackend<T> {
   static constexpr const char* kTakenDetail =
       "get() was already called on this future; a future yields its value once";
 
-  T TakeFromPair() {
-    PublishedValue taken = consumer_->Take();
-    return codec_->Read(taken.header, taken.payload, taken.payload_bytes,
-                        std::move(taken.keep_alive));
+  // The pair's WaitUntil (which runs its callbacks once complete), or true if another thread
+  // received the completion meanwhile (the pair then says it was retrieved).
+  bool PairWaitUntil(Deadline deadline) const {
+    try {
+      return consumer_->WaitUntil(deadline);
+    } catch (const FutureError& e) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (e.code() == FutureErrc::kNoState && received_) return true;
+      throw;
+    }
+  }
+
+  // The completion, received from the pair on first use (precondition: the pair is complete, and
+  // its callbacks have run). Any failure to read it becomes the completion's error.
+  const Result<T>& ReceivedLocked() {
+    if (!received_) {
+      try {
+        PublishedValue taken = consumer_->Take();
+        received_ = Result<T>::Value(codec_->Read(taken.header, taken.payload,
+                                                  taken.payload_bytes,
+                                                  std::move(taken.keep_alive)));
+      } catch (const FutureError& e) {
+        received_ = Result<T>::Error(e.code(), e.detail());
+      } catch (const std::exception& e) {
+        received_ = Result<T>::Error(FutureErrc::kInvalidHandle,
+                                     std::string("the published value could not be read: ") +
+                                         e.what());
+      }
+    }
+    return *received_;
   }
 
   const std::shared_ptr<FileConsumer> consumer_;
   const std::shared_ptr<const ValueCodec<T>> codec_;
   mutable std::mutex mu_;
-  std::optional<Result<T>> peeked_;  // guarded by mu_: what Value() took from the pair
-  bool taken_ = false;               // guarded by mu_: Get() took peeked_
+  std::optional<Result<T>> received_;  // guarded by mu_: the completion, once received
+  bool taken_ = false;                 // guarded by mu_: Get() took it
 };
 
 template <typename T>

@@ -45,8 +45,8 @@ class FutureBackend {
   // Consumes: afterwards Valid() is false and Get() throws kNoState.
   virtual T Get() = 0;
   // The value of a complete future without consuming it (a copy: a tensor shares its storage),
-  // or its error thrown, as often as asked until Get(). Throws kNotReady before completion and
-  // kNoState once consumed.
+  // or its error thrown, as often as asked, also after Get(): the future keeps its completion.
+  // Throws kNotReady before completion.
   virtual T Value() = 0;
   // Blocks until `deadline` at the latest (a past deadline polls); true once ready. Never
   // consumes; throws kNoState once consumed.

@@ -6,8 +6,10 @@
 //   - Take() blocks until completion and consumes: afterwards Valid() is false and another Take()
 //     throws FutureError(kNoState). An error is consumed the same way (it is thrown once);
 //   - WaitUntil(deadline) never consumes and leaves the state valid when it times out;
-//   - Peek() reads a completed state without consuming it (torch.futures.Future.value()): a copy
-//     of the value, or the error thrown (and kept), as often as asked until Take().
+//   - Peek() reads a completed state, before or after Take() (torch.futures.Future.value()): a
+//     copy of the value, or the error thrown. So the state keeps its result until it is destroyed
+//     (a tensor's storage stays referenced while the future lives, as in torch.futures), and a
+//     completion callback can read it whoever took it.
 //
 // Completion callbacks (OnReady) let a waiter be woken without a thread per future: each runs
 // exactly once, after completion, outside the lock, on the completing thread (or at once on the
@@ -105,10 +107,9 @@ class SharedState {
   }
 
   // The value of a complete state, copied, or its error thrown; consumes nothing. Throws
-  // kNotReady before completion and kNoState once taken.
+  // kNotReady before completion.
   T Peek() const {
     auto lock = LockSurvivingFork(mu_);
-    ThrowIfRetrievedLocked();
     if (!result_) {
       throw FutureError(FutureErrc::kNotReady, kNotReadyDetail);
     }
@@ -117,7 +118,7 @@ class SharedState {
 
   bool IsReady() const {
     auto lock = LockSurvivingFork(mu_);
-    return result_.has_value();  // (taken: retrieved, no longer ready)
+    return result_.has_value() && !retrieved_;  // (taken: no longer ready)
   }
 
   bool Valid() const {
@@ -142,8 +143,8 @@ class SharedState {
   ~SharedState() { RunCallbacks(TakeCallbacksLocked(), /*run=*/false); }
 
  private:
-  // A result was set (and is still here, or was taken).
-  bool CompleteLocked() const { return result_.has_value() || retrieved_; }
+  // A result was set (it stays, also once taken).
+  bool CompleteLocked() const { return result_.has_value(); }
 
   void ThrowIfRetrievedLocked() const {
     if (retrieved_) {
@@ -184,10 +185,7 @@ class SharedState {
 
   T TakeLocked() {
     retrieved_ = true;
-    // Dropped here (after the move): the caller owns the value now.
-    Result<T> result = std::move(*result_);
-    result_.reset();
-    return result.TakeOrThrow();
+    return result_->CopyOrThrow();  // (kept, for Peek)
   }
 
   // The callbacks are a list whose nodes are allocated before mu_ is taken: the locked part of
@@ -224,7 +222,7 @@ class SharedState {
   mutable int waiters_ = 0;                // guarded by mu_: threads waiting on cv_
   mutable uint64_t cv_generation_ = ForkGeneration();  // guarded by mu_: waiters_' generation
   bool retrieved_ = false;                 // guarded by mu_
-  std::optional<Result<T>> result_;        // guarded by mu_: set once, reset when taken
+  std::optional<Result<T>> result_;        // guarded by mu_: set once, kept
   CallbackNode* callbacks_head_ = nullptr;              // guarded by mu_
   CallbackNode** callbacks_tail_ = &callbacks_head_;   // guarded by mu_
 };

@@ -268,8 +268,6 @@ void VoidFutureCollect::Get() {
 }
 
 void VoidFutureCollect::Value() const {
-  if (consumed_) ThrowConsumedCollect();
-  if (!IsReady()) ThrowCoded(core::FutureError(core::FutureErrc::kNotReady, core::kNotReadyDetail));
   ThrowFirstDeviceError([](VoidFuture& future) { future.Value(); });
 }
 
@@ -281,6 +279,8 @@ void VoidFutureCollect::ThrowFirstDeviceError(Read read) const {
     try {
       read(*futures_[i]);
     } catch (const c10::Error& e) {
+      const auto* coded = CodeOf(e);
+      if (coded && coded->code() == core::FutureErrc::kNotReady) throw;  // (not an outcome yet)
       if (!first_error) {
         first_error = "dtorch: sync on " + devices_[i].str() + " failed: " + NestedMessage(e);
         if (const auto* coded = CodeOf(e)) first_code = coded->code();

@@ -76,8 +76,8 @@ class Future : public torch::CustomClassHolder {
   // and the future stays valid.
   T Wait(int64_t timeout_ms);
   // The value of a completed future without consuming it, as torch.futures.Future.value(): the
-  // same tensor each time (no copy), or the completion's error raised, until Get() takes it.
-  // Raises "not ready" before completion; never blocks.
+  // same tensor each time (no copy), or the completion's error raised, also after Get() took it
+  // (the future keeps it while it lives). Raises "not ready" before completion; never blocks.
   T Value();
   // Blocks up to timeout_ms; true once ready (value or error). Never consumes.
   bool WaitFor(int64_t timeout_ms) const;
@@ -158,7 +158,8 @@ class VoidFutureCollect : public torch::CustomClassHolder {
   // Like Get() within timeout_ms (for all devices together); otherwise throws ("timed out") and
   // stays valid.
   void Wait(int64_t timeout_ms);
-  // Get() without consuming, once every device is done (see Future::Value).
+  // Get()'s outcome without consuming, once every device is done, also after Get() (see
+  // Future::Value); raises "not ready" before.
   void Value() const;
   bool WaitFor(int64_t timeout_ms) const;
   bool IsReady() const;

@@ -1,7 +1,10 @@
 #include "python_callbacks.h"
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "../core/completion_pool.h"
 #include "../core/fork_generation.h"
@@ -9,6 +12,25 @@
 
 namespace dtorch::python {
 namespace {
+
+// Python callbacks need the GIL, so running them on several pool threads at once gains nothing:
+// one strand runs them one at a time, in the order their futures completed (registration order
+// for one future, as torch.futures). One strand per fork generation (a parent's cannot be used in
+// a child); swapped without a lock, which a parent's thread could hold at fork.
+void PostInOrder(core::CompletionPool::Work work) {
+  struct CallbackStrand {
+    uint64_t generation;
+    core::CompletionPool::Strand strand;
+  };
+  static std::shared_ptr<const CallbackStrand> current;  // atomic_load / atomic_compare_exchange
+  auto strand = std::atomic_load(&current);
+  if (!strand || strand->generation != core::ForkGeneration()) {
+    auto made = std::make_shared<const CallbackStrand>(
+        CallbackStrand{core::ForkGeneration(), core::CompletionPool::Instance().MakeStrand()});
+    if (std::atomic_compare_exchange_strong(&current, &strand, made)) strand = made;
+  }
+  strand->strand.Post(std::move(work));
+}
 
 // One registered callback: owned references to the callable and its argument.
 class PendingCall {
@@ -32,7 +54,7 @@ class PendingCall {
       return;
     }
     try {
-      core::CompletionPool::Instance().Post([call] { call->Run(); });
+      PostInOrder([call] { call->Run(); });
     } catch (...) {
       // The pool has stopped (exit) or cannot start a thread: the callback is not run.
     }

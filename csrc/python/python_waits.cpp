@@ -5,9 +5,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <thread>
 
 #include <pybind11/pybind11.h>
+
+#include "../core/library_threads.h"
 
 namespace dtorch::python {
 namespace {
@@ -21,6 +24,11 @@ std::atomic<uint64_t> wakeups{0};
 // (and parks) or the handler sees it counted (and lets it take the GIL first).
 std::atomic<bool> exit_gate_closed{false};
 std::atomic<int64_t> reacquiring{0};
+// Threads inside a GilUnlessExiting (running a Python callback on a library thread), less those
+// of them waiting in a ReleasedGil (they park rather than return to Python): CPython would end
+// them with a forced unwind, which C++ frames do not survive, once finalization began.
+std::atomic<int64_t> gil_holders{0};
+thread_local int64_t gil_holder_depth = 0;  // GilUnlessExiting scopes this thread is in
 
 [[noreturn]] void ParkForever() noexcept {
   for (;;) ::pause();
@@ -57,6 +65,19 @@ void CloseExitGate() {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(kExitGraceMs));
+  // A Python callback running on a library thread is waited for, as Python waits for its
+  // non-daemon threads: finalizing under it would abort the process.
+  const auto warn_at =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(core::ExitTimeoutMs());
+  bool warned = false;
+  while (gil_holders.load() > 0) {
+    if (!warned && std::chrono::steady_clock::now() >= warn_at) {
+      warned = true;
+      std::fprintf(stderr, "dtorch: waiting at exit for a done callback that is still running "
+                           "(add_done_callback / then); the process exits once it returns\n");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 void ParkIfExiting() noexcept {
@@ -65,6 +86,10 @@ void ParkIfExiting() noexcept {
   // the GIL, returns as usual.
   if (PyGILState_GetThisThreadState() == nullptr || PyGILState_Check()) return;
   ParkForever();
+}
+
+ReleasedGil::ReleasedGil() : state_(PyEval_SaveThread()) {
+  if (gil_holder_depth > 0) --gil_holders;
 }
 
 ReleasedGil::~ReleasedGil() {
@@ -76,6 +101,7 @@ ReleasedGil::~ReleasedGil() {
     ParkForever();
   }
   PyEval_RestoreThread(state_);
+  if (gil_holder_depth > 0) ++gil_holders;  // (before leaving reacquiring, as below)
   --reacquiring;
 }
 
@@ -86,8 +112,17 @@ GilUnlessExiting::GilUnlessExiting() {
     return;
   }
   state_ = PyGILState_Ensure();
+  ++gil_holder_depth;
+  ++gil_holders;  // (before leaving reacquiring: CloseExitGate sees one or the other)
   --reacquiring;
   taken_ = true;
+}
+
+GilUnlessExiting::~GilUnlessExiting() {
+  if (!taken_) return;
+  --gil_holders;
+  --gil_holder_depth;
+  PyGILState_Release(state_);
 }
 
 void RaiseIfSignalled() {

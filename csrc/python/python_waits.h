@@ -32,7 +32,8 @@ inline constexpr int64_t kExitGraceMs = 10;
 void InitMainThread();
 bool IsMainThread();
 
-// From dtorch_ops' atexit handler (GIL held): closes the gate (see above).
+// From dtorch_ops' atexit handler (GIL held): closes the gate (see above), then waits for the
+// Python callbacks running on library threads to return (GilUnlessExiting).
 void CloseExitGate();
 // The library's before_return hook: parks a Python thread that released the GIL (in torch's own
 // method and op call path) once the gate is closed.
@@ -51,7 +52,7 @@ void CountWakeup();
 // gate is closed and this is not the main thread.
 class ReleasedGil {
  public:
-  ReleasedGil() : state_(PyEval_SaveThread()) {}
+  ReleasedGil();
   ~ReleasedGil();
   ReleasedGil(const ReleasedGil&) = delete;
   ReleasedGil& operator=(const ReleasedGil&) = delete;
@@ -66,9 +67,7 @@ class ReleasedGil {
 class GilUnlessExiting {
  public:
   GilUnlessExiting();
-  ~GilUnlessExiting() {
-    if (taken_) PyGILState_Release(state_);
-  }
+  ~GilUnlessExiting();
   GilUnlessExiting(const GilUnlessExiting&) = delete;
   GilUnlessExiting& operator=(const GilUnlessExiting&) = delete;
   explicit operator bool() const { return taken_; }
