@@ -480,7 +480,10 @@ def _adopt_into(torch_future, settle) -> None:
 
 def _returns_tensor(callback) -> bool:
     """Whether callback is annotated to return a tensor (then() then makes a TensorFuture)."""
-    annotation = getattr(callback, "__annotations__", {}).get("return")
+    try:  # (Python 3.14 evaluates annotations on access: a parameter's may not resolve)
+        annotation = dict(getattr(callback, "__annotations__", None) or {}).get("return")
+    except Exception:
+        return False
     if isinstance(annotation, str):  # (from __future__ import annotations)
         try:
             annotation = eval(annotation, getattr(callback, "__globals__", {}))  # noqa: S307

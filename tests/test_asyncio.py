@@ -89,7 +89,8 @@ def test_thousand_pending_awaits_add_no_threads_and_burn_no_cpu():
         return threads_before, threads_during, cpu, wall, values
 
     before, during, cpu, wall, values = run(main())
-    assert during == before, "pending awaits started threads"
+    # (<=: a thread of an earlier test, e.g. a closed loop's executor worker, may end meanwhile)
+    assert during <= before, "pending awaits started threads"
     assert cpu < 0.25 * wall, f"{cpu:.3f} s CPU in {wall:.3f} s while 1000 awaits were pending"
     assert [int(v) for v in values] == list(range(n))
 

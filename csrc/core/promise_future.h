@@ -132,6 +132,7 @@ template <typename T>
 class MemoryFuture final : public FutureBackend<T> {
  public:
   explicit MemoryFuture(std::shared_ptr<SharedState<T>> state) : state_(std::move(state)) {}
+  ~MemoryFuture() override { state_->DropResult(); }
   T Get() override { return state_->Take(); }
   T Value() override { return state_->Peek(); }
   bool WaitUntil(Deadline deadline) const override { return state_->WaitUntil(deadline); }

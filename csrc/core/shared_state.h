@@ -121,6 +121,16 @@ class SharedState {
     return result_.has_value() && !retrieved_;  // (taken: no longer ready)
   }
 
+  // The consumer's end is gone: drops the kept result, which nobody can read any more (a promise
+  // that outlives its future must not keep the value alive). The state stays complete.
+  void DropResult() {
+    std::optional<Result<T>> dropped;  // (destroyed after the lock is released)
+    auto lock = LockSurvivingFork(mu_);
+    if (!result_) return;
+    retrieved_ = true;
+    dropped.swap(result_);
+  }
+
   bool Valid() const {
     auto lock = LockSurvivingFork(mu_);
     return !retrieved_;
@@ -143,8 +153,8 @@ class SharedState {
   ~SharedState() { RunCallbacks(TakeCallbacksLocked(), /*run=*/false); }
 
  private:
-  // A result was set (it stays, also once taken).
-  bool CompleteLocked() const { return result_.has_value(); }
+  // A result was set (it stays, also once taken, until DropResult).
+  bool CompleteLocked() const { return result_.has_value() || retrieved_; }
 
   void ThrowIfRetrievedLocked() const {
     if (retrieved_) {

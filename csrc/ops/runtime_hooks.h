@@ -18,6 +18,9 @@ struct RuntimeHooks {
   // interpreter finalization began (CPython then ends the thread with a forced unwind, which
   // aborts the process in any noexcept frame).
   void (*before_return)() = nullptr;
+  // Runs where such a call begins (the same places): Python's hook stops counting the thread as
+  // running Python, so that exit does not wait for a callback blocked in a library wait.
+  void (*before_call)() = nullptr;
   // Called by TensorPromise::SetValue with a value that has the Python dispatch key (a tensor
   // subclass); throws c10::TypeError for values that a promise cannot carry (a DTensor).
   void (*check_subclass_value)(const at::Tensor& value) = nullptr;
@@ -26,11 +29,13 @@ struct RuntimeHooks {
 void SetRuntimeHooks(const RuntimeHooks& hooks);
 const RuntimeHooks& GetRuntimeHooks();
 
-// Runs hooks.before_return (if set) when destroyed: put one in scope before blocking or
-// completing.
+// Runs hooks.before_call (if set) when made and hooks.before_return when destroyed: put one in
+// scope before blocking or completing.
 class BeforeReturn {
  public:
-  BeforeReturn() = default;
+  BeforeReturn() {
+    if (const auto hook = GetRuntimeHooks().before_call) hook();
+  }
   BeforeReturn(const BeforeReturn&) = delete;
   BeforeReturn& operator=(const BeforeReturn&) = delete;
   ~BeforeReturn() {

@@ -213,7 +213,7 @@ void InstallWaitMethods(py::object cls, bool with_values) {
   if (!with_values) return;
   install("value", [](py::handle self) { return PeekValue(HandleOf<W>(self)); },
           "The value of a completed future, without consuming it (torch.futures.Future.value()):\n"
-          "the same object each time, or the future's error raised, until get() takes it.\n\n"
+          "the same object each time, or the future's error raised, also after get().\n\n"
           "Raises FutureNotReadyError before completion (never blocks): call it after wait(),\n"
           "await, or in a done callback.");
   install("get", [](py::handle self) { return Get(HandleOf<W>(self)); },
@@ -309,6 +309,7 @@ PYBIND11_MODULE(_C, m) {
   InitMainThread();
   RuntimeHooks hooks;
   hooks.before_return = &ParkIfExiting;
+  hooks.before_call = &BeforeLibraryCall;
   hooks.check_subclass_value = &CheckSubclassValue;
   SetRuntimeHooks(hooks);
 

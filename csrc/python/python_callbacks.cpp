@@ -16,18 +16,19 @@ namespace {
 // Python callbacks need the GIL, so running them on several pool threads at once gains nothing:
 // one strand runs them one at a time, in the order their futures completed (registration order
 // for one future, as torch.futures). One strand per fork generation (a parent's cannot be used in
-// a child); swapped without a lock, which a parent's thread could hold at fork.
+// a child), replaced through std::atomic_* on a shared_ptr rather than under a mutex of ours.
 void PostInOrder(core::CompletionPool::Work work) {
   struct CallbackStrand {
     uint64_t generation;
     core::CompletionPool::Strand strand;
   };
-  static std::shared_ptr<const CallbackStrand> current;  // atomic_load / atomic_compare_exchange
-  auto strand = std::atomic_load(&current);
+  // Leaked, like the pool: library threads may still post after static destruction began.
+  static auto* const current = new std::shared_ptr<const CallbackStrand>();
+  auto strand = std::atomic_load(current);
   if (!strand || strand->generation != core::ForkGeneration()) {
     auto made = std::make_shared<const CallbackStrand>(
         CallbackStrand{core::ForkGeneration(), core::CompletionPool::Instance().MakeStrand()});
-    if (std::atomic_compare_exchange_strong(&current, &strand, made)) strand = made;
+    if (std::atomic_compare_exchange_strong(current, &strand, made)) strand = made;
   }
   strand->strand.Post(std::move(work));
 }

@@ -24,13 +24,22 @@ std::atomic<uint64_t> wakeups{0};
 // (and parks) or the handler sees it counted (and lets it take the GIL first).
 std::atomic<bool> exit_gate_closed{false};
 std::atomic<int64_t> reacquiring{0};
-// Threads inside a GilUnlessExiting (running a Python callback on a library thread), less those
-// of them waiting in a ReleasedGil (they park rather than return to Python): CPython would end
-// them with a forced unwind, which C++ frames do not survive, once finalization began.
-std::atomic<int64_t> gil_holders{0};
-thread_local int64_t gil_holder_depth = 0;  // GilUnlessExiting scopes this thread is in
+// Threads running a Python callback (inside a GilUnlessExiting) and not blocked in a library wait
+// (which parks rather than returns to Python once the gate is closed): CloseExitGate waits for
+// them, since CPython would end them at finalization with a forced unwind, which C++ frames do
+// not survive. Each thread counts once (its flag), however deep its callbacks nest.
+std::atomic<int64_t> running_callbacks{0};
+thread_local int64_t callback_depth = 0;  // GilUnlessExiting scopes this thread is in
+thread_local bool counted = false;        // this thread is in running_callbacks
+
+void SetCounted(bool running) noexcept {
+  if (running == counted) return;
+  counted = running;
+  running ? ++running_callbacks : --running_callbacks;
+}
 
 [[noreturn]] void ParkForever() noexcept {
+  SetCounted(false);  // (it never returns to Python)
   for (;;) ::pause();
 }
 
@@ -44,6 +53,7 @@ void InitMainThread() {
 void AfterForkInChild() {
   main_thread_ident = PyThread_get_thread_ident();
   reacquiring = 0;  // the parent's threads do not exist here
+  running_callbacks = counted ? 1 : 0;
 }
 
 bool ExitGateClosed() { return exit_gate_closed.load(); }
@@ -65,12 +75,13 @@ void CloseExitGate() {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(kExitGraceMs));
-  // A Python callback running on a library thread is waited for, as Python waits for its
-  // non-daemon threads: finalizing under it would abort the process.
+  // A Python callback still running is waited for, as Python waits for its non-daemon threads:
+  // finalizing under it would abort the process. (Also one still on its way to the GIL: counted
+  // in reacquiring until it is in running_callbacks.)
   const auto warn_at =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(core::ExitTimeoutMs());
   bool warned = false;
-  while (gil_holders.load() > 0) {
+  while (running_callbacks.load() > 0 || reacquiring.load() > 0) {
     if (!warned && std::chrono::steady_clock::now() >= warn_at) {
       warned = true;
       std::fprintf(stderr, "dtorch: waiting at exit for a done callback that is still running "
@@ -80,7 +91,10 @@ void CloseExitGate() {
   }
 }
 
+void BeforeLibraryCall() noexcept { SetCounted(false); }
+
 void ParkIfExiting() noexcept {
+  SetCounted(callback_depth > 0);  // (before reading the gate, as ~ReleasedGil)
   if (!exit_gate_closed.load() || IsMainThread()) return;
   // Only a Python thread that released the GIL would re-take it; a C++ thread, or one that holds
   // the GIL, returns as usual.
@@ -88,9 +102,7 @@ void ParkIfExiting() noexcept {
   ParkForever();
 }
 
-ReleasedGil::ReleasedGil() : state_(PyEval_SaveThread()) {
-  if (gil_holder_depth > 0) --gil_holders;
-}
+ReleasedGil::ReleasedGil() : state_(PyEval_SaveThread()) { SetCounted(false); }
 
 ReleasedGil::~ReleasedGil() {
   ++reacquiring;
@@ -101,7 +113,7 @@ ReleasedGil::~ReleasedGil() {
     ParkForever();
   }
   PyEval_RestoreThread(state_);
-  if (gil_holder_depth > 0) ++gil_holders;  // (before leaving reacquiring, as below)
+  SetCounted(callback_depth > 0);  // (before leaving reacquiring: CloseExitGate sees one)
   --reacquiring;
 }
 
@@ -112,16 +124,15 @@ GilUnlessExiting::GilUnlessExiting() {
     return;
   }
   state_ = PyGILState_Ensure();
-  ++gil_holder_depth;
-  ++gil_holders;  // (before leaving reacquiring: CloseExitGate sees one or the other)
+  ++callback_depth;
+  SetCounted(true);  // (before leaving reacquiring: CloseExitGate sees one or the other)
   --reacquiring;
   taken_ = true;
 }
 
 GilUnlessExiting::~GilUnlessExiting() {
   if (!taken_) return;
-  --gil_holders;
-  --gil_holder_depth;
+  SetCounted(--callback_depth > 0);
   PyGILState_Release(state_);
 }
 

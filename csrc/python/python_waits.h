@@ -35,6 +35,9 @@ bool IsMainThread();
 // From dtorch_ops' atexit handler (GIL held): closes the gate (see above), then waits for the
 // Python callbacks running on library threads to return (GilUnlessExiting).
 void CloseExitGate();
+// The library's before_call hook (a blocking wait or a completion begins; torch may have released
+// the GIL for it): a callback's thread is not running Python meanwhile.
+void BeforeLibraryCall() noexcept;
 // The library's before_return hook: parks a Python thread that released the GIL (in torch's own
 // method and op call path) once the gate is closed.
 void ParkIfExiting() noexcept;
