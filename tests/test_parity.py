@@ -317,8 +317,8 @@ complete = complete.get_future()
 def busy(f):
     started.set()
     end = time.monotonic() + 1.5
-    while time.monotonic() < end:  # Python running on the pool thread when exit begins
-        pass
+    while time.monotonic() < end:  # Python running on the pool thread when exit begins, in and
+        dtorch_ops.to_torch_async(torch.ones(1)).get()  # out of library calls that keep the GIL
     print("callback returned", flush=True)
 def blocked(f):  # blocked in a library wait at exit: it parks there
     started.set()
@@ -391,7 +391,17 @@ def test_a_promise_does_not_keep_the_value_once_its_future_is_gone():
     del x, future
     gc.collect()
     assert alive() is None  # the promise, still alive, does not
-    assert promise.kind() == "memory"
+    # The future dropped first, then the value set: not kept either.
+    promise, future = _pair()
+    del future
+    x = torch.ones(3)
+    alive = weakref.ref(x)
+    promise.set_value(x)
+    del x
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(dtorch_ops.PromiseAlreadySatisfiedError):
+        promise.set_value(torch.ones(1))
 
 
 # ---- then ----

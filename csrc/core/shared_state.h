@@ -74,7 +74,11 @@ class SharedState {
     {
       auto lock = LockSurvivingFork(mu_);
       if (CompleteLocked()) return false;
-      result_.emplace(std::move(result));
+      if (consumer_gone_) {
+        retrieved_ = true;  // complete, keeping nothing: `result` goes when this returns
+      } else {
+        result_.emplace(std::move(result));
+      }
       callbacks = TakeCallbacksLocked();
       wake = HasWaitersLocked();
     }
@@ -126,6 +130,7 @@ class SharedState {
   void DropResult() {
     std::optional<Result<T>> dropped;  // (destroyed after the lock is released)
     auto lock = LockSurvivingFork(mu_);
+    consumer_gone_ = true;  // (a later completion keeps nothing either)
     if (!result_) return;
     retrieved_ = true;
     dropped.swap(result_);
@@ -232,6 +237,7 @@ class SharedState {
   mutable int waiters_ = 0;                // guarded by mu_: threads waiting on cv_
   mutable uint64_t cv_generation_ = ForkGeneration();  // guarded by mu_: waiters_' generation
   bool retrieved_ = false;                 // guarded by mu_
+  bool consumer_gone_ = false;             // guarded by mu_: DropResult was called
   std::optional<Result<T>> result_;        // guarded by mu_: set once, kept
   CallbackNode* callbacks_head_ = nullptr;              // guarded by mu_
   CallbackNode** callbacks_tail_ = &callbacks_head_;   // guarded by mu_

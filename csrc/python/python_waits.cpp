@@ -77,7 +77,8 @@ void CloseExitGate() {
   std::this_thread::sleep_for(std::chrono::milliseconds(kExitGraceMs));
   // A Python callback still running is waited for, as Python waits for its non-daemon threads:
   // finalizing under it would abort the process. (Also one still on its way to the GIL: counted
-  // in reacquiring until it is in running_callbacks.)
+  // in reacquiring until it is in running_callbacks; it gets the GIL, which this thread released,
+  // so this wait has no bound of its own.)
   const auto warn_at =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(core::ExitTimeoutMs());
   bool warned = false;
@@ -91,7 +92,11 @@ void CloseExitGate() {
   }
 }
 
-void BeforeLibraryCall() noexcept { SetCounted(false); }
+void BeforeLibraryCall() noexcept {
+  // Only a thread that released the GIL (torch's call path, ReleasedGil) passes the gate on its
+  // way back to Python; one that holds it goes straight back, so it still counts.
+  if (!PyGILState_Check()) SetCounted(false);
+}
 
 void ParkIfExiting() noexcept {
   SetCounted(callback_depth > 0);  // (before reading the gate, as ~ReleasedGil)
@@ -132,8 +137,9 @@ GilUnlessExiting::GilUnlessExiting() {
 
 GilUnlessExiting::~GilUnlessExiting() {
   if (!taken_) return;
-  SetCounted(--callback_depth > 0);
-  PyGILState_Release(state_);
+  const bool nested = --callback_depth > 0;
+  PyGILState_Release(state_);  // (may run Python: clearing a thread state made for this scope)
+  SetCounted(nested);
 }
 
 void RaiseIfSignalled() {
