@@ -25,7 +25,7 @@ enum class FutureErrc {
   kCannotLeaveProcess,       // a promise of a same-process kind was serialized (pickle, jit.save)
   kInvalidHandle,            // a serialized promise is malformed, tampered with or of another type
   kSharedMemory,             // the shared-memory transport failed (/dev/shm full, a segment gone)
-  kNotReady,                 // Value() on a future that is not complete yet (never crosses processes)
+  kNotReady,                 // Value() on a future not complete yet (never crosses processes)
 };
 inline constexpr FutureErrc kLastFutureErrc = FutureErrc::kNotReady;
 

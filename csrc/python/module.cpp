@@ -328,7 +328,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<VoidFutureCollect, c10::intrusive_ptr<VoidFutureCollect>>(m, "VoidFutureCollect")
       .def("get", &Get<VoidFutureCollect>)
       .def("wait", &Wait<VoidFutureCollect>, py::arg("timeout_ms"))
-      .def("value", [](const c10::intrusive_ptr<VoidFutureCollect>& self) { return PeekValue(self); })
+      .def("value",
+           [](const c10::intrusive_ptr<VoidFutureCollect>& self) { return PeekValue(self); })
       .def("is_ready", &VoidFutureCollect::IsReady)
       .def("valid", &VoidFutureCollect::Valid)
       .def("devices", &VoidFutureCollect::Devices)
