@@ -289,7 +289,7 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
             else:
                 torch_future.set_exception(value)
 
-        self.add_done_callback(lambda done: _call_and_settle(type(done).value, done, settle))
+        _settle_when_done(self, settle)
         return torch_future
 
     def __await__(self):
@@ -389,7 +389,7 @@ class ObjectFuture(_Waitable):
         if not isinstance(torch_future, _TorchFuture):
             raise TypeError("dtorch_ops.ObjectFuture(torch_future) adopts a torch.futures.Future,"
                             f" got {_script_name(torch_future)}")
-        _adopt_into(torch_future, _pending_object_future(self))
+        _settle_when_done(torch_future, _pending_object_future(self))
 
     def get(self):
         """Blocks until the value is ready and returns it (or raises the error); consumes the
@@ -474,8 +474,10 @@ def _call_and_settle(fn, arg, settle) -> None:
         settle(True, value)
 
 
-def _adopt_into(torch_future, settle) -> None:
-    torch_future.add_done_callback(lambda done: _call_and_settle(type(done).value, done, settle))
+def _settle_when_done(source, settle) -> None:
+    """settle(ok, value) with source's value or error once source (ours, or a
+    torch.futures.Future) completes."""
+    source.add_done_callback(lambda done: _call_and_settle(type(done).value, done, settle))
 
 
 def _returns_tensor(callback) -> bool:
@@ -498,7 +500,8 @@ def _adopter(promise_class):
     def adopt(torch_future):
         promise = promise_class("memory")
         handle = promise.get_future()
-        _adopt_into(torch_future, _promise_settler(promise, "the adopted torch.futures.Future"))
+        _settle_when_done(torch_future,
+                          _promise_settler(promise, "the adopted torch.futures.Future"))
         return handle
 
     return staticmethod(adopt)

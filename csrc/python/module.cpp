@@ -127,15 +127,14 @@ c10::intrusive_ptr<C> FromScript(py::handle obj) {
                        ", got " + short_got);
 }
 
+// A future's value as Python sees it: the tensor, or None for a VoidFuture.
+py::object ToPython(at::Tensor value) { return py::cast(std::move(value)); }
+py::object ToPython(core::Unit) { return py::none(); }
+
 // The value of a future whose wait is over (ready, failed, or taken by another thread meanwhile).
 template <typename T>
 py::object TakeValue(const c10::intrusive_ptr<Future<T>>& future) {
-  if constexpr (std::is_same_v<T, at::Tensor>) {
-    return py::cast(future->Get());
-  } else {
-    future->Get();
-    return py::none();
-  }
+  return ToPython(future->Get());
 }
 
 py::object TakeValue(const c10::intrusive_ptr<VoidFutureCollect>& collect) {
@@ -146,12 +145,7 @@ py::object TakeValue(const c10::intrusive_ptr<VoidFutureCollect>& collect) {
 // The value of a completed future, not consumed (Future::Value).
 template <typename T>
 py::object PeekValue(const c10::intrusive_ptr<Future<T>>& future) {
-  if constexpr (std::is_same_v<T, at::Tensor>) {
-    return py::cast(future->Value());
-  } else {
-    future->Value();
-    return py::none();
-  }
+  return ToPython(future->Value());
 }
 
 py::object PeekValue(const c10::intrusive_ptr<VoidFutureCollect>& collect) {

@@ -95,7 +95,7 @@ void CloseExitGate() {
 void BeforeLibraryCall() noexcept {
   // Only a thread that released the GIL (torch's call path, ReleasedGil) passes the gate on its
   // way back to Python; one that holds it goes straight back, so it still counts.
-  if (!PyGILState_Check()) SetCounted(false);
+  if (counted && !PyGILState_Check()) SetCounted(false);
 }
 
 void ParkIfExiting() noexcept {
