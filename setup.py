@@ -5,12 +5,18 @@ Two native artifacts:
                                Python), so a libtorch C++ program can link or dlopen it too;
   dtorch_ops/_C.*.so           the Python module: a direct pybind11 binding of the library's
                                classes and ops (the only part that links libtorch_python).
+and, next to them, the C++ package of the library:
+  dtorch_ops/include/          the public headers (csrc/include: <dtorch/dtorch.h>);
+  dtorch_ops/share/cmake/dtorch_ops/   dtorch_opsConfig.cmake and its version file (cmake/).
+All of it lands in the package directory of the build: the checkout's dtorch_ops/ for an editable
+install, the wheel's for a wheel or a `pip install .`.
 
 Build with `pip install --no-build-isolation -e .` against the torch already installed (torch is
 deliberately not a build requirement: pip would pick a multi-GB CUDA build by itself).
 """
 import glob
 import os
+import shutil
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -18,10 +24,15 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_EXT_NAME = "dtorch_ops.libdtorch_ops"
 
-CXX_FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility-inlines-hidden"]
+# Hidden by default: the library exports only DTORCH_API (the public API, csrc/include/dtorch) and
+# DTORCH_INTERNAL_API (csrc/ops/internal_api.h, for _C and the simulated device).
+CXX_FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden",
+             "-fvisibility-inlines-hidden"]
 # Boost (>= 1.78, headers only: Asio, Interprocess) from the system, or from DTORCH_BOOST_INCLUDE
 # (the GPU machine has none installed: scripts/device_check.sh unpacks Debian's package there).
 BOOST_INCLUDE = [os.environ["DTORCH_BOOST_INCLUDE"]] if os.environ.get("DTORCH_BOOST_INCLUDE") else []
+# The public headers (<dtorch/dtorch.h>), which the library's own sources include as users do.
+PUBLIC_INCLUDE = os.path.join(HERE, "csrc", "include")
 
 
 def _sources(*patterns):
@@ -46,6 +57,24 @@ class BuildDtorchExtensions(BuildExtension):
             if ext.name != LIB_EXT_NAME:
                 ext.library_dirs.append(lib_dir)
         super().build_extensions()
+        # An editable install builds into a temporary directory and copies only the extensions
+        # into the checkout (copy_extensions_to_source): write the package there directly.
+        editable = self.inplace or getattr(self, "editable_mode", False)
+        self._write_cpp_package(os.path.join(HERE, "dtorch_ops") if editable else lib_dir)
+
+    def _write_cpp_package(self, package_dir):
+        """The public headers and the CMake package config, next to the library they describe."""
+        include_dir = os.path.join(package_dir, "include")
+        shutil.rmtree(include_dir, ignore_errors=True)  # no header left over from an older build
+        shutil.copytree(PUBLIC_INCLUDE, include_dir)
+        cmake_dir = os.path.join(package_dir, "share", "cmake", "dtorch_ops")
+        os.makedirs(cmake_dir, exist_ok=True)
+        shutil.copyfile(os.path.join(HERE, "cmake", "dtorch_opsConfig.cmake"),
+                        os.path.join(cmake_dir, "dtorch_opsConfig.cmake"))
+        with open(os.path.join(HERE, "cmake", "dtorch_opsConfigVersion.cmake.in")) as template:
+            version_file = template.read().replace("@VERSION@", self.distribution.get_version())
+        with open(os.path.join(cmake_dir, "dtorch_opsConfigVersion.cmake"), "w") as out:
+            out.write(version_file)
 
 
 def _without_libtorch_python(ext):
@@ -60,14 +89,16 @@ setup(
             CppExtension(
                 LIB_EXT_NAME,
                 sources=_sources("core/*.cc", "ops/*.cpp", "*.cpp"),
-                include_dirs=BOOST_INCLUDE,
+                include_dirs=[PUBLIC_INCLUDE, *BOOST_INCLUDE],
                 extra_compile_args={"cxx": CXX_FLAGS},
+                extra_link_args=[f"-Wl,--version-script={os.path.join(HERE, 'csrc', 'exports.map')}"],
             )
         ),
         # The direct binding: torch's pybind11 and libtorch_python, linked to the library.
         CppExtension(
             "dtorch_ops._C",
             sources=_sources("python/*.cpp"),
+            include_dirs=[PUBLIC_INCLUDE],
             extra_compile_args={"cxx": CXX_FLAGS},
             extra_link_args=["-l:libdtorch_ops.so", "-Wl,-rpath,$ORIGIN"],
         ),

@@ -1,10 +1,10 @@
 """Cross-thread wake: a producer thread sets the value, a consumer thread blocked in get() wakes.
 
-Python: dtorch_ops promise/future vs threading.Event. C++ (benchmarks/cpp/wake_bench.cpp, built
-here with g++): the core's MemoryPromise vs std::promise. Latency = consumer's resume time minus
-the producer's time just before it sets; medians over many samples, cases interleaved.
+Python: dtorch_ops promise/future vs threading.Event. C++ (benchmarks/cpp/wake_bench.cpp, the
+CMake target wake_bench, built here by cpp_build.py): the core's MemoryPromise vs std::promise.
+Latency = consumer's resume time minus the producer's time just before it sets; medians over many
+samples, cases interleaved.
 """
-import os
 import shutil
 import subprocess
 import tempfile
@@ -15,10 +15,9 @@ import torch
 
 import dtorch_ops
 from common import Anchor, Figure, Report, Target, interleaved_samples, print_medians
+from cpp_build import build_cpp_target
 
 SECTION = "Cross-thread wake (memory kind)"
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 
 
 def _one_wake(make_pair):
@@ -71,16 +70,12 @@ def python_wake(report, samples):
 
 
 def cpp_wake(report, samples):
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        print("\ncross-thread wake, C++: skipped (no g++)")
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        print("\ncross-thread wake, C++: skipped (no cmake)")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        binary = os.path.join(tmp, "wake_bench")
-        subprocess.run([cxx, "-std=c++20", "-O2", "-pthread", "-I", os.path.join(REPO, "csrc"),
-                        os.path.join(HERE, "cpp", "wake_bench.cpp"),
-                        os.path.join(REPO, "csrc", "core", "fork_generation.cc"), "-o", binary],
-                       check=True, timeout=300)
+        binary = build_cpp_target("wake_bench", tmp, cmake=cmake)
         out = subprocess.run([binary, str(samples)], check=True, capture_output=True, text=True,
                              timeout=300).stdout
     by_case = {name: [float(v) for v in values]

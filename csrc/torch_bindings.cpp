@@ -6,9 +6,9 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include "ops/device_completion.h"
 #include "ops/futures.h"
 #include "ops/get_tensor.h"
+#include "ops/internal_api.h"
 #include "ops/sync.h"
 
 namespace {
@@ -38,6 +38,13 @@ bool NotSameObject(const c10::intrusive_ptr<C>& self, const c10::IValue& other) 
 template <typename C>
 int64_t NoLength(const c10::intrusive_ptr<C>&) {
   TORCH_CHECK_TYPE(false, "dtorch: a ", C::kClassName, " has no len()");
+}
+
+// notify_when_ready(notifier, token): one method for every waitable class.
+template <typename C>
+void NotifyWhenReady(const c10::intrusive_ptr<C>& self,
+                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
+  dtorch::NotifyWhenReady(self, notifier, token);
 }
 
 // __obj_flatten__ for torch.compile/export: constant per kind, so compiled code guards on the kind
@@ -94,7 +101,7 @@ void DefineFuture(torch::Library& m) {
       .def("valid", &F::Valid)
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
       // Posts `token` to the notifier once ready (how asyncio awaits it). Does not consume.
-      .def("notify_when_ready", &dtorch::NotifyWhenReady<F>);
+      .def("notify_when_ready", &NotifyWhenReady<F>);
   NotPicklable(HandleBasics(cls));
 }
 
@@ -140,8 +147,8 @@ TORCH_LIBRARY(dtorch, m) {
 
   DefineFuture<at::Tensor>(m);
   DefinePromise<at::Tensor>(m);
-  DefineFuture<dtorch::core::Unit>(m);
-  DefinePromise<dtorch::core::Unit>(m);
+  DefineFuture<dtorch::Unit>(m);
+  DefinePromise<dtorch::Unit>(m);
 
   // One VoidFuture per device of a sync, awaited as one.
   auto collect = m.class_<VoidFutureCollect>("VoidFutureCollect");
@@ -154,7 +161,7 @@ TORCH_LIBRARY(dtorch, m) {
       .def("valid", &VoidFutureCollect::Valid)
       .def("devices",
            [](const c10::intrusive_ptr<VoidFutureCollect>& self) { return self->Devices(); })
-      .def("notify_when_ready", &dtorch::NotifyWhenReady<VoidFutureCollect>);
+      .def("notify_when_ready", &NotifyWhenReady<VoidFutureCollect>);
   NotPicklable(HandleBasics(collect));
 
   // Fulfils `promise` with `input` once the work producing `input` on its current stream is done

@@ -122,12 +122,19 @@ def library_path() -> str:
 
 
 def include_path() -> str:
-    """Directory holding the C++ headers, for ``#include <dtorch_ops.h>``: the checkout's ``csrc``.
+    """Directory of the public C++ headers, for ``#include <dtorch/dtorch.h>``.
 
-    Valid for an editable install (``pip install -e .``), where the package is the checkout's
-    ``dtorch_ops/`` directory.
+    The build puts the headers in the package (``dtorch_ops/include``), for editable and
+    non-editable installs alike; CMake users take them from ``find_package(dtorch_ops)``.
     """
-    return _os.path.join(_os.path.dirname(_os.path.dirname(__file__)), "csrc")
+    return _os.path.join(_os.path.dirname(__file__), "include")
+
+
+def cmake_prefix_path() -> str:
+    """What to add to ``CMAKE_PREFIX_PATH`` for ``find_package(dtorch_ops)``, as
+    ``torch.utils.cmake_prefix_path`` is for ``find_package(Torch)``: the package config defines
+    the imported target ``dtorch_ops::dtorch_ops`` (headers, library, torch)."""
+    return _os.path.join(_os.path.dirname(__file__), "share", "cmake")
 
 
 __all__ = [
@@ -143,6 +150,7 @@ __all__ = [
     "VoidFuture",
     "VoidFutureCollect",
     "VoidPromise",
+    "cmake_prefix_path",
     "collect_all",
     "config",
     "errors",

@@ -6,7 +6,8 @@ PYTHON=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 
 lib=dtorch_ops/libdtorch_ops.so
-if [ -f "$lib" ] && [ -z "$(find csrc setup.py pyproject.toml -newer "$lib" -type f | head -1)" ] \
+if [ -f "$lib" ] && [ -d dtorch_ops/share/cmake ] \
+   && [ -z "$(find csrc cmake setup.py pyproject.toml -newer "$lib" -type f | head -1)" ] \
    && "$PYTHON" -c "import dtorch_ops" 2>/dev/null; then
   echo "build: dtorch_ops is up to date"
   exit 0

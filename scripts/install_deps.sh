@@ -23,7 +23,7 @@ boost_version() {  # prints BOOST_VERSION (e.g. 108100) or 0
 apt_packages=()
 command -v g++ >/dev/null || apt_packages+=(g++)
 command -v make >/dev/null || apt_packages+=(make)
-command -v cmake >/dev/null || apt_packages+=(cmake)      # builds examples/cpp in the tests
+command -v cmake >/dev/null || apt_packages+=(cmake)  # CMakeLists.txt: test_core, wake_bench; examples/cpp
 command -v readelf >/dev/null || apt_packages+=(binutils)
 
 if [ "$(boost_version)" -lt 107800 ]; then

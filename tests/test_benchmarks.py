@@ -28,7 +28,7 @@ STATS = {"median", "min", "max", "n"}
 
 @pytest.mark.timeout(300)
 def test_the_quick_report_has_every_section_and_anchor(tmp_path):
-    require_tool("g++", "the std::promise anchor is a small C++ program")
+    require_tool("cmake", "the std::promise anchor is a C++ program (CMake target wake_bench)")
     # Exactly what `QUICK=1 make bench` runs, writing into tmp_path.
     run = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "run_all.py"),
                           "--out", str(tmp_path)], env=dict(os.environ, QUICK="1"),

@@ -1,35 +1,23 @@
-"""The C++ API: libdtorch_ops.so links no Python, and examples/cpp (a libtorch program including
-dtorch_ops.h) builds, runs its checks and runs a TorchScript module saved here that calls
-torch.ops.dtorch.*."""
+"""The C++ API from the editable install: libdtorch_ops.so links no Python and exports only the
+API; examples/cpp and the public header check (the root CMake project's torch targets) build
+with find_package(dtorch_ops), run their checks, and the example runs a TorchScript module saved
+here that calls torch.ops.dtorch.*. (tests/test_packaging.py: the same from an installed wheel.)"""
 import os
-import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import dtorch_ops
 from conftest import require_tool
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE_DIR = os.path.join(REPO, "examples", "cpp")
-
-
-def _run(cmd, timeout, **kwargs):
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, check=False, **kwargs
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{cmd[0]} ran past {timeout} s: {' '.join(map(str, cmd))}\n{e.stdout}\n{e.stderr}")
-    return proc
-
-
-class _Doubler(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fut = torch.ops.dtorch.get_tensor_async(x * 2)
-        return fut.wait(1000)
+from cpp_programs import (
+    build_torch_targets,
+    check_cpp_package_paths,
+    check_cpp_programs,
+    cmake_cache_value,
+    run_bounded as _run,
+    save_scripted_doubler,
+)
 
 
 def test_library_links_no_python():
@@ -42,47 +30,47 @@ def test_library_links_no_python():
     assert any(lib.startswith("libtorch") for lib in needed), needed
 
 
+def test_library_exports_only_dtorch_symbols():
+    """-fvisibility=hidden and csrc/exports.map: the dynamic symbols are the API's (namespace
+    dtorch, DTORCH_API / DTORCH_INTERNAL_API), none of the core's, and no copies of the headers'
+    templates (Boost.Asio, torch) that another library in the process could bind to."""
+    nm = require_tool("nm", "cannot list the library's symbols")
+    proc = _run([nm, "-D", "--defined-only", "-C", dtorch_ops.library_path()], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    names = [line.split(" ", 2)[2] for line in proc.stdout.splitlines() if line.count(" ") >= 2]
+    assert "dtorch::GetTensorAsync(at::Tensor const&)" in names
+    assert any(name.startswith("dtorch::internal::") for name in names)
+    foreign = [n for n in names if not n.startswith(("dtorch::", "typeinfo for dtorch::",
+                                                     "typeinfo name for dtorch::",
+                                                     "vtable for dtorch::"))]
+    assert not foreign, foreign[:20]
+    assert not [n for n in names if "dtorch::core::" in n.split("(")[0]], "the core is exported"
+
+
+def test_cpp_package_of_the_editable_install():
+    """include_path(), library_path() and cmake_prefix_path() lead to the files, and the package
+    config's version is the package's (tests/test_packaging.py: the same for a wheel)."""
+    from importlib.metadata import version
+
+    check_cpp_package_paths({name: getattr(dtorch_ops, name)()
+                             for name in ("include_path", "library_path", "cmake_prefix_path")})
+    version_file = os.path.join(dtorch_ops.cmake_prefix_path(), "dtorch_ops",
+                                "dtorch_opsConfigVersion.cmake")
+    with open(version_file) as f:
+        assert f'set(PACKAGE_VERSION "{version("dtorch_ops")}")' in f.read()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_cpp_example_builds_and_runs_scripted_module(tmp_path):
+def test_cpp_example_and_public_header_against_the_editable_install(tmp_path):
+    """The root CMake project's torch targets (examples/cpp and the public header check), found
+    with find_package(dtorch_ops) from this install."""
     cmake = require_tool("cmake", "cannot build examples/cpp")
-    make = require_tool("make", "cannot build examples/cpp")
-    # The module is scripted and saved here; C++ loads it with torch::jit::load.
-    scripted = torch.jit.script(_Doubler())
-    x = torch.arange(4, dtype=torch.float32)
-    assert torch.equal(scripted(x), x * 2)
-    module_path = tmp_path / "doubler.pt"
-    torch.jit.save(scripted, str(module_path))
-
+    module_path = save_scripted_doubler(tmp_path)
     build = tmp_path / "build"
-    configure = _run(
-        [
-            cmake,
-            "-S", EXAMPLE_DIR,
-            "-B", str(build),
-            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-            f"-DDTORCH_OPS_PYTHON={sys.executable}",
-            f"-DDTORCH_OPS_INCLUDE_DIR={dtorch_ops.include_path()}",
-            f"-DDTORCH_OPS_LIBRARY={dtorch_ops.library_path()}",
-            "-DCMAKE_BUILD_TYPE=",  # no optimisation: one TU, compiled as fast as possible
-        ],
-        timeout=180,
-    )
-    if (configure.returncode != 0 and torch.backends.cuda.is_built()
-            and "Could NOT find CUDA" in configure.stdout + configure.stderr):
-        pytest.skip("find_package(Torch) of a CUDA build of torch needs the whole CUDA toolkit "
-                    "(headers and cudart), which this machine lacks")
-    assert configure.returncode == 0, configure.stdout + configure.stderr
-
-    compiled = _run([make, "-C", str(build), "-j2"], timeout=600)
-    assert compiled.returncode == 0, compiled.stdout[-5000:] + compiled.stderr[-10000:]
-
-    binary = build / "dtorch_cpp_example"
-    assert binary.exists()
-    # A plain environment: the program must not rely on the Python process (no LD_PRELOAD etc.).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LD_PRELOAD", "PYTHON"))}
-    ran = _run([str(binary), str(module_path)], timeout=120, env=env)
-    output = ran.stdout + ran.stderr
-    assert ran.returncode == 0, output
-    assert "cpp example: OK" in output, output
-    assert "scripted module" in output, output
+    binaries = build_torch_targets(
+        cmake, build, ["dtorch_cpp_example", "public_header_check"],
+        prefix_path=[torch.utils.cmake_prefix_path, dtorch_ops.cmake_prefix_path()])
+    assert cmake_cache_value(build, "dtorch_ops_DIR") == os.path.join(
+        dtorch_ops.cmake_prefix_path(), "dtorch_ops")
+    check_cpp_programs(binaries, module_path)

@@ -9,24 +9,12 @@
 #include <stdexcept>
 #include <string>
 
+#include <dtorch/types.h>
+
 namespace dtorch::core {
 
-// Append only: the file kind carries codes between processes.
-enum class FutureErrc {
-  kBrokenPromise,            // the promise was destroyed without a value or an exception
-  kPromiseAlreadySatisfied,  // a second SetValue/SetException on the same promise
-  kFutureAlreadyRetrieved,   // GetFuture() called twice on one promise
-  kNoState,                  // the value was already taken by Get(); the future is no longer valid
-  kTimeout,                  // Wait(timeout) elapsed before the value arrived
-  kProducerError,            // the producer called SetException(message)
-  kDeviceError,              // the device reported an error for the work that produces the value
-  kDroppedAtExit,            // the value was still pending when the library stopped at exit
-  kDroppedAtFork,            // the value was pending in the parent when this process was forked
-  kCannotLeaveProcess,       // a promise of a same-process kind was serialized (pickle, jit.save)
-  kInvalidHandle,            // a serialized promise is malformed, tampered with or of another type
-  kSharedMemory,             // the shared-memory transport failed (/dev/shm full, a segment gone)
-  kNotReady,                 // Value() on a future not complete yet (never crosses processes)
-};
+// The codes are public (dtorch/types.h): C++ users read them from a c10::Error.
+using ::dtorch::FutureErrc;
 inline constexpr FutureErrc kLastFutureErrc = FutureErrc::kNotReady;
 
 // Short, stable name of a code ("broken promise", ...); used as the message prefix.

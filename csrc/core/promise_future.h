@@ -32,8 +32,8 @@
 
 namespace dtorch::core {
 
-// The value of a completion-only pair (VoidPromise / VoidFuture).
-struct Unit {};
+// The value of a completion-only pair (VoidPromise / VoidFuture): dtorch/types.h.
+using ::dtorch::Unit;
 
 using Deadline = std::chrono::steady_clock::time_point;
 

@@ -1,5 +1,7 @@
 #include "device_completion.h"
 
+#include "internal_api.h"
+
 #include <array>
 #include <atomic>
 #include <memory>

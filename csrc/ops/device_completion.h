@@ -36,10 +36,9 @@ void AfterCurrentStreamWork(const c10::Device& device, DeviceDoneCallback on_don
 // thread whose current device is the event's.
 using BlockingEventWait = bool (*)(const c10::Event& event, std::chrono::microseconds timeout);
 
-// Opts a device type in to blocking waits (nullptr opts it out again). Values whose event is
-// recorded from then on are waited for that way; the others keep polling with back-off. Backends
-// register at load time (the simulated device of the tests does; CUDA's comes with
-// blocking-sync events).
-void RegisterBlockingEventWait(c10::DeviceType type, BlockingEventWait wait);
+// A device type opts in to blocking waits with RegisterBlockingEventWait (internal_api.h): values
+// whose event is recorded from then on are waited for that way; the others keep polling with
+// back-off. Backends register at load time (the simulated device of the tests does; CUDA's comes
+// with blocking-sync events); nullptr opts a type out again.
 
 }  // namespace dtorch

@@ -1,29 +1,18 @@
 // The core's typed errors (core::FutureError) as c10 errors that keep their code.
 //
 // TorchScript and torch.ops see a c10::Error (RuntimeError; TypeError for a promise that cannot
-// leave its process, ValueError for a malformed serialized promise); dtorch_ops._C maps the code
-// to one of dtorch_ops.errors' exception classes (all subclasses of those), never reading the
-// message.
+// leave its process, ValueError for a malformed serialized promise); C++ users read the code with
+// dtorch::CodeOf (<dtorch/dtorch.h>); dtorch_ops._C maps it to one of dtorch_ops.errors' exception
+// classes (all subclasses of those), never reading the message.
 #pragma once
 
 #include <string>
 
-#include <c10/util/Exception.h>
+#include <dtorch/dtorch.h>
 
 #include "../core/future_error.h"
 
 namespace dtorch {
-
-// What every coded error carries besides its c10::Error base.
-class CodedErrorBase {
- public:
-  explicit CodedErrorBase(core::FutureErrc code) : code_(code) {}
-  virtual ~CodedErrorBase() = default;
-  core::FutureErrc code() const noexcept { return code_; }
-
- private:
-  core::FutureErrc code_;
-};
 
 template <typename Base>
 class CodedError final : public Base, public CodedErrorBase {
@@ -44,11 +33,6 @@ inline core::FutureError TimedOut(const std::string& timeout_ms) {
   return core::FutureError(core::FutureErrc::kTimeout,
                            "the value was not ready within " + timeout_ms +
                                " ms; the future is still valid, wait again");
-}
-
-// The code of a c10::Error, if it carries one.
-inline const CodedErrorBase* CodeOf(const c10::Error& error) {
-  return dynamic_cast<const CodedErrorBase*>(&error);
 }
 
 }  // namespace dtorch

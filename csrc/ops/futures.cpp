@@ -16,6 +16,8 @@
 
 namespace dtorch {
 
+CodedErrorBase::~CodedErrorBase() = default;
+
 void ThrowCoded(core::FutureErrc code, const std::string& message) {
   switch (code) {
     case core::FutureErrc::kCannotLeaveProcess:
@@ -79,10 +81,10 @@ std::shared_ptr<const core::ValueCodec<core::Unit>> Codec() {
 template <typename T>
 const core::KindRegistry<T>& Kinds() {
   static const core::KindRegistry<T> registry = [] {
-    core::KindRegistry<T> kinds(PairNames<T>::kPromise);
+    core::KindRegistry<T> kinds(detail::PairNames<T>::kPromise);
     const auto no_options = [](std::string_view kind, std::string_view options) {
       if (!options.empty()) {
-        throw std::invalid_argument("dtorch: " + std::string(PairNames<T>::kPromise) +
+        throw std::invalid_argument("dtorch: " + std::string(detail::PairNames<T>::kPromise) +
                                     " kind '" + std::string(kind) + "' takes no options");
       }
     };
@@ -118,6 +120,9 @@ Future<T>::Future(std::unique_ptr<core::FutureBackend<T>> backend, const char* k
     : backend_(std::move(backend)), kind_(kind) {
   TORCH_INTERNAL_ASSERT(backend_ != nullptr);
 }
+
+template <typename T>
+Future<T>::~Future() = default;
 
 template <typename T>
 T Future<T>::Get() {
@@ -175,6 +180,9 @@ Promise<T>::Promise(const std::string& kind)
 template <typename T>
 Promise<T>::Promise(std::unique_ptr<core::PromiseBackend<T>> backend)
     : backend_(std::move(backend)), kind_(backend_->Kind()) {}
+
+template <typename T>
+Promise<T>::~Promise() = default;
 
 template <typename T>
 c10::intrusive_ptr<Promise<T>> Promise<T>::FromSerialized(const std::string& serialized) {
@@ -251,10 +259,10 @@ std::string Promise<T>::Serialize() const {
   return TranslateErrors([&] { return backend_->Serialize(); });
 }
 
-template class Future<at::Tensor>;
-template class Future<core::Unit>;
-template class Promise<at::Tensor>;
-template class Promise<core::Unit>;
+template class DTORCH_API Future<at::Tensor>;
+template class DTORCH_API Future<Unit>;
+template class DTORCH_API Promise<at::Tensor>;
+template class DTORCH_API Promise<Unit>;
 
 VoidFutureCollect::VoidFutureCollect(std::vector<c10::Device> devices,
                                      std::vector<c10::intrusive_ptr<VoidFuture>> futures)

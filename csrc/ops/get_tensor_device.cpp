@@ -6,27 +6,30 @@
 #include "get_tensor.h"
 
 namespace dtorch::kernels {
+namespace {
+using Producer = detail::ProducerAccess<at::Tensor>;
+}  // namespace
 
 void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise) {
   TORCH_CHECK(promise, "dtorch: get_tensor needs a TensorPromise, got None");
-  promise->CheckValue(input);  // a kind that cannot carry a device tensor refuses it here
+  Producer::CheckValue(*promise, input);  // a kind that cannot carry a device tensor refuses it here
   // Claimed now: a used promise raises here, as on CPU, and any later completion raises too.
-  promise->Claim("get_tensor");
+  Producer::Claim(*promise, "get_tensor");
   try {
     // The callback owns the tensor until the event fired: its memory outlives the device work.
     AfterCurrentStreamWork(input.device(),
                            [input, promise](const std::optional<core::FutureError>& error) {
                              if (error) {
-                               promise->FailClaimed(error->code(), error->detail());
+                               Producer::FailClaimed(*promise, error->code(), error->detail());
                              } else {
-                               promise->CompleteClaimed(input);
+                               Producer::CompleteClaimed(*promise, input);
                              }
                            });
   } catch (...) {
     // Nothing will complete the claimed promise (no event, or no thread to watch it: a
     // std::system_error): fail it, so its waiter does not hang either.
-    promise->FailClaimed("get_tensor could not wait for " + input.device().str() + ": " +
-                         CurrentExceptionMessage());
+    Producer::FailClaimed(*promise, "get_tensor could not wait for " + input.device().str() +
+                                       ": " + CurrentExceptionMessage());
     throw;
   }
 }

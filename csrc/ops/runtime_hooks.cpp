@@ -1,5 +1,7 @@
 #include "runtime_hooks.h"
 
+#include "internal_api.h"
+
 namespace dtorch {
 namespace {
 RuntimeHooks& Hooks() {

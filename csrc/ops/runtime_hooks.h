@@ -26,7 +26,7 @@ struct RuntimeHooks {
   void (*check_subclass_value)(const at::Tensor& value) = nullptr;
 };
 
-void SetRuntimeHooks(const RuntimeHooks& hooks);
+// SetRuntimeHooks: internal_api.h (exported to _C).
 const RuntimeHooks& GetRuntimeHooks();
 
 // Runs hooks.before_call (if set) when made and hooks.before_return when destroyed: put one in

@@ -14,6 +14,8 @@
 namespace dtorch {
 namespace {
 
+using Producer = detail::ProducerAccess<Unit>;
+
 // A device the caller named, checked and with its index filled in (the current one if absent).
 c10::Device Resolve(const c10::Device& device) {
   if (device.is_cpu()) return c10::Device(c10::kCPU);
@@ -35,12 +37,12 @@ void SyncCpu(const c10::intrusive_ptr<VoidPromise>& promise) { promise->SetValue
 
 // The device sync kernel: complete once the device's current stream reaches this point.
 void SyncDevice(const c10::Device& device, const c10::intrusive_ptr<VoidPromise>& promise) {
-  promise->Claim("sync");
+  Producer::Claim(*promise, "sync");
   AfterCurrentStreamWork(device, [promise](const std::optional<core::FutureError>& error) {
     if (error) {
-      promise->FailClaimed(error->code(), error->detail());
+      Producer::FailClaimed(*promise, error->code(), error->detail());
     } else {
-      promise->CompleteClaimed({});
+      Producer::CompleteClaimed(*promise, {});
     }
   });
 }
@@ -123,17 +125,17 @@ c10::intrusive_ptr<VoidFutureCollect> sync(const DeviceList& devices) {
 void sync_into(const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>& promise) {
   TORCH_CHECK(promise, "dtorch: sync_into needs a VoidPromise, got None");
   auto collect = sync(devices);  // first: a bad device raises before the promise is claimed
-  promise->Claim("sync_into");
+  Producer::Claim(*promise, "sync_into");
   collect->OnReady([collect, promise] {
     try {
       collect->Get();
     } catch (const c10::Error& e) {
       const auto* coded = CodeOf(e);
-      promise->FailClaimed(coded ? coded->code() : core::FutureErrc::kProducerError,
-                           NestedMessage(e));
+      Producer::FailClaimed(*promise, coded ? coded->code() : core::FutureErrc::kProducerError,
+                            NestedMessage(e));
       return;
     }
-    promise->CompleteClaimed({});
+    Producer::CompleteClaimed(*promise, {});
   });
 }
 

@@ -1,10 +1,9 @@
-// Graph sync: wait for the work queued so far on each device's current stream, as ops
-// (dtorch::sync, sync_into, sync_wait) and as the C++ API. One VoidFuture per device, completed by
+// Graph sync: the kernels of dtorch::sync, sync_into and sync_wait (the C++ API over them, Sync /
+// SyncAsync / SyncInto, is declared in <dtorch/dtorch.h>). One VoidFuture per device, completed by
 // that device's sync kernel (CPU: at once; event-capable devices: when an event recorded on the
-// current stream fires, from a library poller thread), collected by a VoidFutureCollect.
+// current stream fires, from a library detector thread), collected by a VoidFutureCollect.
 #pragma once
 
-#include <optional>
 #include <vector>
 
 #include <c10/core/Device.h>
@@ -12,16 +11,6 @@
 #include "futures.h"
 
 namespace dtorch {
-
-using DeviceList = std::optional<std::vector<c10::Device>>;
-
-// dtorch::sync through the dispatcher: returns at once; the collect is ready when every device is.
-// devices = nullopt: the devices this process has used (see UsedDevices).
-c10::intrusive_ptr<VoidFutureCollect> SyncAsync(const DeviceList& devices = std::nullopt);
-// dtorch::sync_wait: blocks until every device is done (the seed's Graph::Sync()).
-void Sync(const DeviceList& devices = std::nullopt);
-// dtorch::sync_into: completes `promise` (possibly another process's) when every device is done.
-void SyncInto(const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>& promise);
 
 // The accelerator devices (CUDA, HIP, XPU, MPS, MTIA, PrivateUse1) that this process has used (a
 // context exists on them); {cpu} when there is none.

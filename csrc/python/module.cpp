@@ -21,17 +21,10 @@
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include "../core/completion_detectors.h"
-#include "../core/completion_pool.h"
-#include "../core/file_kind.h"
-#include "../core/kind_registry.h"
-#include "../core/library_threads.h"
-#include "../core/payload_pool.h"
+#include "../core/future_error.h"
+#include "../core/shared_state.h"
 #include "../ops/errors.h"
-#include "../ops/futures.h"
-#include "../ops/get_tensor.h"
-#include "../ops/runtime_hooks.h"
-#include "../ops/sync.h"
+#include "../ops/internal_api.h"
 #include "python_callbacks.h"
 #include "python_waits.h"
 
@@ -129,7 +122,7 @@ c10::intrusive_ptr<C> FromScript(py::handle obj) {
 
 // A future's value as Python sees it: the tensor, or None for a VoidFuture.
 py::object ToPython(at::Tensor value) { return py::cast(std::move(value)); }
-py::object ToPython(core::Unit) { return py::none(); }
+py::object ToPython(Unit) { return py::none(); }
 
 // The value of a future whose wait is over (ready, failed, or taken by another thread meanwhile).
 template <typename T>
@@ -222,6 +215,13 @@ void InstallWaitMethods(py::object cls, bool with_values) {
           py::arg("timeout_ms"));
 }
 
+// notify_when_ready(notifier, token) of a waitable class W (internal_api.h's overloads).
+template <typename W>
+auto NotifyWhenReadyOf() {
+  return [](const c10::intrusive_ptr<W>& self, const c10::intrusive_ptr<ReadyNotifier>& notifier,
+            int64_t token) { NotifyWhenReady(self, notifier, token); };
+}
+
 template <typename T>
 void BindFuture(py::module_& m) {
   using F = Future<T>;
@@ -232,7 +232,7 @@ void BindFuture(py::module_& m) {
       .def("is_ready", &F::IsReady)
       .def("valid", &F::Valid)
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
-      .def("notify_when_ready", &NotifyWhenReady<F>)
+      .def("notify_when_ready", NotifyWhenReadyOf<F>())
       .def("script", &ToScript<F>)
       .def_static("from_script", &FromScript<F>);
 }
@@ -316,8 +316,8 @@ PYBIND11_MODULE(_C, m) {
 
   BindFuture<at::Tensor>(m);
   BindPromise<at::Tensor>(m);
-  BindFuture<core::Unit>(m);
-  BindPromise<core::Unit>(m);
+  BindFuture<Unit>(m);
+  BindPromise<Unit>(m);
 
   py::class_<VoidFutureCollect, c10::intrusive_ptr<VoidFutureCollect>>(m, "VoidFutureCollect")
       .def("get", &Get<VoidFutureCollect>)
@@ -327,7 +327,7 @@ PYBIND11_MODULE(_C, m) {
       .def("is_ready", &VoidFutureCollect::IsReady)
       .def("valid", &VoidFutureCollect::Valid)
       .def("devices", &VoidFutureCollect::Devices)
-      .def("notify_when_ready", &NotifyWhenReady<VoidFutureCollect>)
+      .def("notify_when_ready", NotifyWhenReadyOf<VoidFutureCollect>())
       .def("script", &ToScript<VoidFutureCollect>)
       .def_static("from_script", &FromScript<VoidFutureCollect>);
 
@@ -379,23 +379,23 @@ PYBIND11_MODULE(_C, m) {
   m.def("after_fork_in_child", &AfterForkInChild);
   m.def("wait_wakeups", &WaitWakeups);
   m.def("fail_thread_starts_for_testing", [](int count) {
-    core::CompletionDetectors::Instance().FailThreadStartsForTesting(count);
+    internal::FailDetectorThreadStartsForTesting(count);
   });
   // With the GIL released: a detector finishing a completion may need it to drop a tensor.
-  m.def("stop_library_threads", &core::StopLibraryThreads,
+  m.def("stop_library_threads", &internal::StopLibraryThreads,
         py::call_guard<py::gil_scoped_release>());
   m.def("library_threads", [] {
-    const auto counts = core::CountLibraryThreads();
+    const auto counts = internal::CountLibraryThreads();
     py::dict threads;
     threads["detectors"] = counts.detectors;
     threads["pool"] = counts.pool;
     threads["doorbell"] = counts.doorbell;
     return threads;
   });
-  m.def("pending_file_pairs", &core::PendingFilePairs);
-  m.def("file_doorbell_segment", &core::FileDoorbellSegment);
+  m.def("pending_file_pairs", &internal::PendingFilePairs);
+  m.def("file_doorbell_segment", &internal::FileDoorbellSegment);
   m.def("kept_file_payloads", [] {
-    const auto kept = core::payload::Kept();
+    const auto kept = internal::KeptFilePayloads();
     py::dict counts;
     counts["produced"] = kept.produced;
     counts["received"] = kept.received;
@@ -406,44 +406,36 @@ PYBIND11_MODULE(_C, m) {
   // dtorch_ops calls it in a fork-started multiprocessing child before it exits (which skips the
   // library's exit handler): its consumers then read "producer exited", not "died", and its
   // doorbell goes if nothing of it is pending.
-  m.def("file_kind_at_child_exit", [] {
-    core::MarkFileProducersExited();
-    core::ReleaseIdleFileSegments();
-  });
+  m.def("file_kind_at_child_exit", &internal::FileKindAtChildExit);
   // Test-only: in a producer process, takes `promise`'s interprocess lock and never returns.
   m.def("hold_file_promise_lock_for_testing", [](const std::string& serialized) {
-    const std::string prefix = core::SerializedPrefix(core::kFileKind);
-    TORCH_CHECK(serialized.rfind(prefix, 0) == 0, "not a serialized file promise");
     py::gil_scoped_release unlocked;
-    core::HoldFilePromiseLockForTesting(
-        core::FileHandle::Parse(serialized.substr(prefix.size()), "tensor"));
+    internal::HoldFilePromiseLockForTesting(serialized);
   });
   m.def("detector_stats", [] {
-    const auto& detectors = core::CompletionDetectors::Instance();
+    const auto detectors = internal::GetDetectorStats();
     py::dict stats;
-    stats["threads"] = detectors.ThreadCount();
-    stats["pending"] = detectors.PendingCount();
-    stats["active_streams"] = detectors.ActiveKeys();
-    stats["notified_wakeups"] = detectors.NotifiedWakeups();
+    stats["threads"] = detectors.threads;
+    stats["pending"] = detectors.pending;
+    stats["active_streams"] = detectors.active_streams;
+    stats["notified_wakeups"] = detectors.notified_wakeups;
     return stats;
   });
 
   // Settings (dtorch_ops.config); std::invalid_argument and std::logic_error reach Python as
   // ValueError and RuntimeError.
-  m.def("set_max_detector_threads",
-        [](int64_t n) { core::CompletionDetectors::Instance().SetMaxThreads(n); });
-  m.def("max_detector_threads", [] { return core::CompletionDetectors::Instance().MaxThreads(); });
-  m.def("set_detector_idle_exit_ms",
-        [](int64_t ms) { core::CompletionDetectors::Instance().SetIdleExitMs(ms); });
-  m.def("detector_idle_exit_ms", [] { return core::CompletionDetectors::Instance().IdleExitMs(); });
-  m.def("set_pool_threads", [](int64_t n) { core::CompletionPool::Instance().SetThreads(n); });
-  m.def("pool_threads", [] { return core::CompletionPool::Instance().Threads(); });
-  m.def("set_attach_timeout_ms", &core::SetAttachTimeoutMs);
-  m.def("attach_timeout_ms", &core::AttachTimeoutMs);
-  m.def("set_payload_idle_ms", &core::payload::SetIdleMs);
-  m.def("payload_idle_ms", &core::payload::IdleMs);
-  m.def("set_exit_timeout_ms", &core::SetExitTimeoutMs);
-  m.def("exit_timeout_ms", &core::ExitTimeoutMs);
+  m.def("set_max_detector_threads", &internal::SetMaxDetectorThreads);
+  m.def("max_detector_threads", &internal::MaxDetectorThreads);
+  m.def("set_detector_idle_exit_ms", &internal::SetDetectorIdleExitMs);
+  m.def("detector_idle_exit_ms", &internal::DetectorIdleExitMs);
+  m.def("set_pool_threads", &internal::SetPoolThreads);
+  m.def("pool_threads", &internal::PoolThreads);
+  m.def("set_attach_timeout_ms", &internal::SetAttachTimeoutMs);
+  m.def("attach_timeout_ms", &internal::AttachTimeoutMs);
+  m.def("set_payload_idle_ms", &internal::SetPayloadIdleMs);
+  m.def("payload_idle_ms", &internal::PayloadIdleMs);
+  m.def("set_exit_timeout_ms", &internal::SetExitTimeoutMs);
+  m.def("exit_timeout_ms", &internal::ExitTimeoutMs);
 }
 
 }  // namespace dtorch::python

@@ -6,56 +6,39 @@
 #include <string>
 #include <utility>
 
-#include "../core/completion_pool.h"
-#include "../core/fork_generation.h"
+#include "../ops/internal_api.h"
 #include "python_waits.h"
 
 namespace dtorch::python {
 namespace {
 
 // Python callbacks need the GIL, so running them on several pool threads at once gains nothing:
-// one strand runs them one at a time, in the order their futures completed (registration order
-// for one future, as torch.futures). One strand per fork generation (a parent's cannot be used in
-// a child), replaced through std::atomic_* on a shared_ptr rather than under a mutex of ours.
-void PostInOrder(core::CompletionPool::Work work) {
-  struct CallbackStrand {
-    uint64_t generation;
-    core::CompletionPool::Strand strand;
-  };
-  // Leaked, like the pool: library threads may still post after static destruction began.
-  static auto* const current = new std::shared_ptr<const CallbackStrand>();
-  auto strand = std::atomic_load(current);
-  if (!strand || strand->generation != core::ForkGeneration()) {
-    auto made = std::make_shared<const CallbackStrand>(
-        CallbackStrand{core::ForkGeneration(), core::CompletionPool::Instance().MakeStrand()});
-    if (std::atomic_compare_exchange_strong(current, &strand, made)) strand = made;
-  }
-  strand->strand.Post(std::move(work));
-}
+// internal::PostInOrder runs them one at a time, in the order their futures completed
+// (registration order for one future, as torch.futures).
 
 // One registered callback: owned references to the callable and its argument.
 class PendingCall {
  public:
   PendingCall(PyObject* fn, PyObject* arg)
-      : fn_(Py_NewRef(fn)), arg_(Py_NewRef(arg)), generation_(core::ForkGeneration()) {}
+      : fn_(Py_NewRef(fn)), arg_(Py_NewRef(arg)), generation_(internal::ForkGeneration()) {}
   PendingCall(const PendingCall&) = delete;
   PendingCall& operator=(const PendingCall&) = delete;
 
   ~PendingCall() {
-    if (fn_ == nullptr || generation_ != core::ForkGeneration()) return;  // (a child: left)
+    if (fn_ == nullptr || generation_ != internal::ForkGeneration()) return;  // (a child: left)
     GilUnlessExiting gil;
     if (gil) ReleaseWithGil();  // (else exiting: left to the process's end)
   }
 
   // On the completing thread: runs here on a Python thread, else posts to the pool.
   static void Fire(const std::shared_ptr<PendingCall>& call) {
-    if (call->generation_ != core::ForkGeneration()) return;
+    if (call->generation_ != internal::ForkGeneration()) return;
     if (PyGILState_GetThisThreadState() != nullptr) {
       call->Run();
       return;
     }
     try {
-      PostInOrder([call] { call->Run(); });
+      internal::PostInOrder([call] { call->Run(); });
     } catch (...) {
       // The pool has stopped (exit) or cannot start a thread: the callback is not run.
     }

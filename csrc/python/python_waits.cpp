@@ -10,7 +10,7 @@
 
 #include <pybind11/pybind11.h>
 
-#include "../core/library_threads.h"
+#include "../ops/internal_api.h"
 
 namespace dtorch::python {
 namespace {
@@ -80,7 +80,7 @@ void CloseExitGate() {
   // in reacquiring until it is in running_callbacks; it gets the GIL, which this thread released,
   // so this wait has no bound of its own.)
   const auto warn_at =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(core::ExitTimeoutMs());
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(internal::ExitTimeoutMs());
   bool warned = false;
   while (running_callbacks.load() > 0 || reacquiring.load() > 0) {
     if (!warned && std::chrono::steady_clock::now() >= warn_at) {

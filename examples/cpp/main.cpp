@@ -2,7 +2,7 @@
 // (saved by Python) whose forward calls torch.ops.dtorch.get_tensor_async. Usage:
 //   dtorch_cpp_example [scripted_module.pt]
 // Prints "cpp example: OK" and returns 0, or reports the first failure and returns 1.
-#include <dtorch_ops.h>
+#include <dtorch/dtorch.h>
 
 #include <torch/script.h>
 
@@ -24,15 +24,16 @@ void Check(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("check failed: " + what);
 }
 
-// Runs fn, expecting a c10::Error whose message contains `needle`.
+// Runs fn, expecting a c10::Error of dtorch_ops with the code `expected` (dtorch::CodeOf: no
+// message is parsed).
 template <typename Fn>
-void ExpectError(Fn&& fn, const std::string& needle, const std::string& what) {
+void ExpectError(Fn&& fn, dtorch::FutureErrc expected, const std::string& what) {
   try {
     fn();
   } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    Check(msg.find(needle) != std::string::npos,
-          what + ": error \"" + msg + "\" lacks \"" + needle + "\"");
+    const auto* coded = dtorch::CodeOf(e);
+    Check(coded != nullptr && coded->code() == expected,
+          what + ": unexpected error \"" + e.what_without_backtrace() + "\"");
     return;
   }
   throw std::runtime_error("check failed: " + what + ": no c10::Error thrown");
@@ -74,7 +75,7 @@ void PromiseFromThread() {
 void TimeoutKeepsFutureValid() {
   auto promise = c10::make_intrusive<dtorch::TensorPromise>("memory");
   auto future = promise->GetFuture();
-  ExpectError([&] { future->Wait(20); }, "timed out", "Wait on an unset promise");
+  ExpectError([&] { future->Wait(20); }, dtorch::FutureErrc::kTimeout, "Wait on an unset promise");
   Check(future->Valid(), "the future stays valid after a timeout");
   Check(!future->IsReady(), "not ready before the value is set");
   at::Tensor t = torch::zeros({1});
@@ -88,7 +89,8 @@ void DroppedPromiseBreaks() {
   auto promise = c10::make_intrusive<dtorch::TensorPromise>("memory");
   auto future = promise->GetFuture();
   promise.reset();
-  ExpectError([&] { future->Wait(kWaitMs); }, "broken promise", "Wait after the promise died");
+  ExpectError([&] { future->Wait(kWaitMs); }, dtorch::FutureErrc::kBrokenPromise,
+              "Wait after the promise died");
 }
 
 // (f) Sync: blocking, as a collect of per-device futures, and into a VoidPromise.
@@ -128,7 +130,7 @@ void FilePromiseAcrossProcesses() {
   Check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the producer process succeeded");
   Check(value.equal(torch::arange(5) * 10), "the value set in the other process arrives");
   ExpectError([] { dtorch::CreateTensorPromiseFromSerialized("dtorch-promise:1:file:x"); },
-              "invalid serialized promise", "a malformed serialized promise");
+              dtorch::FutureErrc::kInvalidHandle, "a malformed serialized promise");
   Check(dtorch::TensorPromiseFor(torch::ones(1), true)->Kind() == "memory",
         "a CPU tensor's pair is a memory one");
 }

@@ -11,6 +11,7 @@ import types
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 _loaded = False
 
 
@@ -28,8 +29,8 @@ def load() -> None:
     load_extension(name="simdev", sources=[os.path.join(HERE, "simdev.cpp")],
                    build_directory=build_dir, is_python_module=False,
                    extra_cflags=["-O1"],
-                   extra_include_paths=[os.path.join(os.path.dirname(os.path.dirname(HERE)),
-                                                     "csrc")],
+                   extra_include_paths=[os.path.join(REPO, "csrc"),
+                                        os.path.join(REPO, "csrc", "include")],
                    extra_ldflags=[f"-L{library_dir}", "-l:libdtorch_ops.so",
                                   f"-Wl,-rpath,{library_dir}"],
                    verbose=False)

@@ -21,7 +21,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
-#include "ops/device_completion.h"  // dtorch's blocking-wait registration (libdtorch_ops)
+#include "ops/internal_api.h"  // dtorch's blocking-wait registration (libdtorch_ops)
 
 #include <array>
 #include <atomic>

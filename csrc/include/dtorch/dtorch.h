@@ -1,0 +1,268 @@
+// <dtorch/dtorch.h>: the C++ (libtorch) API of dtorch_ops. Include this one header.
+//
+// Find it with CMake: find_package(dtorch_ops) (CMAKE_PREFIX_PATH: dtorch_ops.cmake_prefix_path())
+// and link the imported target dtorch_ops::dtorch_ops, which carries this include directory and
+// libdtorch_ops.so, linked so that it stays loaded: its static initialisers register the ops and
+// classes (torch.ops.dtorch.*, torch.classes.dtorch.*) that TorchScript modules using them need
+// at torch::jit::load. The library depends on libtorch only (no Python). See examples/cpp/.
+//
+// Values. GetTensorAsync(t) returns at once a future that yields t itself (no copy) once the work
+// queued so far on t's device's current stream has finished: at once on CPU; on a device, when an
+// event recorded on that stream has completed (a library thread watches it; other streams are not
+// waited for, and the device is not synchronised). A "file" promise carries a CPU tensor to another
+// process of the same host; its consumer receives a copy in shared memory.
+//
+// Handles. Promises and futures are c10::intrusive_ptr handles to the TorchScript classes
+// torch.classes.dtorch.*: the same objects a scripted module passes around, shareable between
+// threads, destroyed with their last reference. Every method of every class here is thread-safe.
+//
+// Errors are c10::Error (c10::ValueError for bad arguments, c10::TypeError for a promise that
+// cannot leave its process) with a "dtorch: <cause>: <detail>" message; CodeOf(error) gives the
+// cause as a FutureErrc (dtorch/types.h), so no caller need parse messages.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/util/Exception.h>
+#include <torch/custom_class.h>
+
+#include "export.h"
+#include "types.h"
+
+namespace dtorch {
+
+namespace core {  // the library's backends: not part of this API
+template <typename T>
+class FutureBackend;
+template <typename T>
+class PromiseBackend;
+}  // namespace core
+
+namespace detail {
+template <typename T>
+struct PairNames;
+template <>
+struct PairNames<at::Tensor> {
+  static constexpr const char* kFuture = "TensorFuture";
+  static constexpr const char* kPromise = "TensorPromise";
+};
+template <>
+struct PairNames<Unit> {
+  static constexpr const char* kFuture = "VoidFuture";
+  static constexpr const char* kPromise = "VoidPromise";
+};
+template <typename T>
+class ProducerAccess;  // the library's kernels' access to Promise's claim (not for users)
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+// What every error of this library carries besides its c10::Error base.
+class DTORCH_API CodedErrorBase {
+ public:
+  explicit CodedErrorBase(FutureErrc code) : code_(code) {}
+  virtual ~CodedErrorBase();
+  FutureErrc code() const noexcept { return code_; }
+
+ private:
+  FutureErrc code_;
+};
+
+// The code of a c10::Error thrown by this library, or nullptr for another error.
+inline const CodedErrorBase* CodeOf(const c10::Error& error) {
+  return dynamic_cast<const CodedErrorBase*>(&error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Futures: the consumer's end (torch.classes.dtorch.TensorFuture / VoidFuture)
+
+// Created by Promise::GetFuture() or GetTensorAsync(); one consumer end per promise. Consuming
+// calls (Get, a successful Wait) may succeed once; the others any number of times, concurrently.
+// A future keeps its completion while it lives: Value() works also after Get().
+template <typename T>
+class DTORCH_API Future : public torch::CustomClassHolder {
+ public:
+  static constexpr const char* kClassName = detail::PairNames<T>::kFuture;
+  // Made by the library (its backend type is internal).
+  Future(std::unique_ptr<core::FutureBackend<T>> backend, const char* kind);
+  ~Future() override;
+
+  // Blocks until the value is ready and returns it; consumes (Valid() is false after, and a second
+  // Get() throws FutureErrc::kNoState). Throws the completion's error instead, if it failed.
+  T Get();
+  // Like Get() if the value arrives within timeout_ms (>= 0); otherwise throws
+  // FutureErrc::kTimeout and the future stays valid.
+  T Wait(int64_t timeout_ms);
+  // The value of a completed future without consuming it, as torch.futures.Future.value(): the
+  // same tensor each time (no copy), or the completion's error thrown. Throws FutureErrc::kNotReady
+  // before completion; never blocks.
+  T Value();
+  // Blocks up to timeout_ms; true once ready (value or error). Never consumes.
+  bool WaitFor(int64_t timeout_ms) const;
+  bool IsReady() const;
+  // False once Get() (or Wait) took the value.
+  bool Valid() const;
+  // The kind of the pair: "memory" or "file".
+  std::string Kind() const { return kind_; }
+  // Runs `callback` once when the value (or an error) is ready: on the completing thread (a library
+  // thread for device values), or at once on this thread if it already is. It must be cheap, must
+  // not block and must not throw; hold what it needs by value.
+  void OnReady(std::function<void()> callback);
+
+ private:
+  const std::unique_ptr<core::FutureBackend<T>> backend_;
+  const char* const kind_;  // static storage: the kind registry's name
+};
+
+// ---------------------------------------------------------------------------------------------
+// Promises: the producer's end (torch.classes.dtorch.TensorPromise / VoidPromise)
+
+// Fulfilled once, by SetValue/SetException or by an op (GetTensor, SyncInto). When the last
+// reference to an unfulfilled promise goes (or, for a file promise, its process dies), its future
+// fails with FutureErrc::kBrokenPromise instead of waiting forever.
+template <typename T>
+class DTORCH_API Promise : public torch::CustomClassHolder {
+ public:
+  static constexpr const char* kClassName = detail::PairNames<T>::kPromise;
+  // kind: "memory" (same process) or "file" (processes of one host, through shared memory).
+  // Throws c10::ValueError for an unknown kind.
+  explicit Promise(const std::string& kind);
+  // Made by the library (its backend type is internal).
+  explicit Promise(std::unique_ptr<core::PromiseBackend<T>> backend);
+  ~Promise() override;
+  // The promise that another process serialized with Serialize(): untrusted input, validated
+  // before anything is opened (c10::ValueError, FutureErrc::kInvalidHandle, if malformed). It
+  // attaches to the pair on first use, not here.
+  static c10::intrusive_ptr<Promise> FromSerialized(const std::string& serialized);
+
+  // Fulfils the promise with `value` (a memory future yields this very tensor; a file future a
+  // copy, so a file promise takes CPU tensors only). A second completion throws
+  // FutureErrc::kPromiseAlreadySatisfied and the first value is kept. `caller` names the call in
+  // that error.
+  void SetValue(T value, const char* caller = "set_value");
+  // Fails the future with FutureErrc::kProducerError and `message`.
+  void SetException(const std::string& message);
+  // The consumer's end; callable once (then FutureErrc::kFutureAlreadyRetrieved). For a file
+  // promise, only in the process that created the pair.
+  c10::intrusive_ptr<Future<T>> GetFuture();
+  std::string Kind() const { return kind_; }
+  // A string another process turns back into this promise (FromSerialized). A memory promise
+  // cannot leave its process: c10::TypeError (FutureErrc::kCannotLeaveProcess).
+  std::string Serialize() const;
+
+ private:
+  friend class detail::ProducerAccess<T>;
+  // For producers that complete later (the device get_tensor kernel, sync_into): Claim() reserves
+  // the promise at call time, so that any other completion raises now; the producer then completes
+  // with CompleteClaimed / FailClaimed, which never throw.
+  void CheckValue(const T& value) const;
+  void Claim(const char* producer);
+  void CompleteClaimed(T value) noexcept;
+  void FailClaimed(const std::string& message) noexcept;
+  void FailClaimed(FutureErrc code, const std::string& detail) noexcept;
+
+  const std::unique_ptr<core::PromiseBackend<T>> backend_;
+  const char* const kind_;  // static storage: the kind registry's name
+};
+
+using TensorFuture = Future<at::Tensor>;
+using TensorPromise = Promise<at::Tensor>;
+using VoidFuture = Future<Unit>;
+using VoidPromise = Promise<Unit>;
+
+extern template class DTORCH_API Future<at::Tensor>;
+extern template class DTORCH_API Future<Unit>;
+extern template class DTORCH_API Promise<at::Tensor>;
+extern template class DTORCH_API Promise<Unit>;
+
+// The VoidFutures of one sync, one per device, awaited as one (torch.classes.dtorch.
+// VoidFutureCollect): ready when all are. Get() throws the error of the first device (in Devices()
+// order) that failed, naming it; the others' errors are dropped.
+class DTORCH_API VoidFutureCollect : public torch::CustomClassHolder {
+ public:
+  static constexpr const char* kClassName = "VoidFutureCollect";
+  VoidFutureCollect(std::vector<c10::Device> devices,
+                    std::vector<c10::intrusive_ptr<VoidFuture>> futures);
+
+  // Blocks until every device is done; consumes (see Future::Get).
+  void Get();
+  // Like Get() within timeout_ms for all devices together; otherwise throws FutureErrc::kTimeout
+  // and stays valid.
+  void Wait(int64_t timeout_ms);
+  // Get()'s outcome without consuming, once every device is done, also after Get(); throws
+  // FutureErrc::kNotReady before.
+  void Value() const;
+  bool WaitFor(int64_t timeout_ms) const;
+  bool IsReady() const;
+  bool Valid() const;
+  std::string Kind() const { return "memory"; }
+  const std::vector<c10::Device>& Devices() const { return devices_; }
+  // Runs callback once every device is done (or failed); see Future::OnReady.
+  void OnReady(std::function<void()> callback);
+
+ private:
+  // Reads each device's future with `read` (Get or Value); throws the first error, naming its
+  // device.
+  template <typename Read>
+  void ThrowFirstDeviceError(Read read) const;
+
+  const std::vector<c10::Device> devices_;
+  const std::vector<c10::intrusive_ptr<VoidFuture>> futures_;
+  std::atomic<bool> consumed_{false};
+};
+
+// ---------------------------------------------------------------------------------------------
+// Getting a tensor's value (the ops dtorch::get_tensor_async / get_tensor, through the dispatcher)
+
+// Returns at once a memory future that yields `input` (not a copy) once the work producing it on
+// its device's current stream has finished; see "Values" above.
+DTORCH_API c10::intrusive_ptr<TensorFuture> GetTensorAsync(const at::Tensor& input);
+// Fulfils `promise` (possibly another process's: a file promise) with `input` the same way.
+// Returns at once; throws now if the promise was already used or cannot carry `input`.
+DTORCH_API void GetTensor(const at::Tensor& input,
+                          const c10::intrusive_ptr<TensorPromise>& promise);
+// The seed's Tensor::GetTorchTensorAsync() / GetTorchTensor(): GetTensorAsync(input), and its
+// Get() (blocks until the value is ready).
+inline c10::intrusive_ptr<TensorFuture> ToTorchAsync(const at::Tensor& input) {
+  return GetTensorAsync(input);
+}
+inline at::Tensor ToTorch(const at::Tensor& input) { return GetTensorAsync(input)->Get(); }
+
+// The promise kind for a pair whose promise a worker fulfils with `tensor`: "memory" for a CPU
+// tensor, or for any tensor unless per_device_per_process; "file" for a device tensor when each
+// device has its own worker process.
+DTORCH_API std::string PromiseKindFor(const at::Tensor& tensor, bool per_device_per_process);
+// A promise of that kind.
+DTORCH_API c10::intrusive_ptr<TensorPromise> TensorPromiseFor(const at::Tensor& tensor,
+                                                              bool per_device_per_process);
+// The seed's CreateTensorPromiseFromSerialized(): TensorPromise::FromSerialized.
+inline c10::intrusive_ptr<TensorPromise> CreateTensorPromiseFromSerialized(
+    const std::string& serialized) {
+  return TensorPromise::FromSerialized(serialized);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device sync (the ops dtorch::sync / sync_wait / sync_into): wait for the work queued so far on
+// each device's current stream, without synchronising the devices. std::nullopt: every device
+// this process has used (a context exists on it), or the CPU when there is none.
+
+using DeviceList = std::optional<std::vector<c10::Device>>;
+
+// Returns at once; the collect is ready when every device is.
+DTORCH_API c10::intrusive_ptr<VoidFutureCollect> SyncAsync(
+    const DeviceList& devices = std::nullopt);
+// Blocks until every device is done (the seed's Graph::Sync()).
+DTORCH_API void Sync(const DeviceList& devices = std::nullopt);
+// Completes `promise` (possibly another process's) when every device is done; returns at once.
+DTORCH_API void SyncInto(const DeviceList& devices,
+                         const c10::intrusive_ptr<VoidPromise>& promise);
+
+}  // namespace dtorch

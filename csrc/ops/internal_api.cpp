@@ -1,0 +1,118 @@
+// The internal exports (internal_api.h) over the core.
+#include "internal_api.h"
+
+#include <utility>
+
+#include "../core/completion_detectors.h"
+#include "../core/completion_pool.h"
+#include "../core/file_kind.h"
+#include "../core/fork_generation.h"
+#include "../core/kind_registry.h"
+#include "../core/payload_pool.h"
+#include "../core/ready_notifier.h"
+
+namespace dtorch {
+
+ReadyNotifier::ReadyNotifier() : core_(std::make_shared<core::ReadyNotifier>()) {}
+ReadyNotifier::~ReadyNotifier() = default;
+int64_t ReadyNotifier::FileNo() const { return core_->fd(); }
+std::vector<int64_t> ReadyNotifier::Drain() { return core_->Drain(); }
+
+namespace {
+template <typename Waitable>
+void NotifyWhenReadyImpl(const c10::intrusive_ptr<Waitable>& waitable,
+                         const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
+  TORCH_CHECK(notifier, "dtorch: notify_when_ready needs a ReadyNotifier, got None");
+  // An event loop belongs to the process that registered it: a value failed in a fork child does
+  // not post to the parent's loop (the eventfd is shared between them).
+  waitable->OnReady([weak = std::weak_ptr<core::ReadyNotifier>(notifier->core()), token,
+                     generation = core::ForkGeneration()] {
+    if (generation != core::ForkGeneration()) return;
+    if (const auto core = weak.lock()) core->Post(token);
+  });
+}
+}  // namespace
+
+void NotifyWhenReady(const c10::intrusive_ptr<TensorFuture>& future,
+                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
+  NotifyWhenReadyImpl(future, notifier, token);
+}
+void NotifyWhenReady(const c10::intrusive_ptr<VoidFuture>& future,
+                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
+  NotifyWhenReadyImpl(future, notifier, token);
+}
+void NotifyWhenReady(const c10::intrusive_ptr<VoidFutureCollect>& future,
+                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
+  NotifyWhenReadyImpl(future, notifier, token);
+}
+
+namespace internal {
+
+uint64_t ForkGeneration() { return core::ForkGeneration(); }
+
+void PostInOrder(std::function<void()> work) {
+  struct GenerationStrand {
+    uint64_t generation;
+    core::CompletionPool::Strand strand;
+  };
+  // One strand per fork generation (a parent's cannot be used in a child), replaced through
+  // std::atomic_* on a shared_ptr rather than under a mutex. Leaked, like the pool: library
+  // threads may still post after static destruction began.
+  static auto* const current = new std::shared_ptr<const GenerationStrand>();
+  auto strand = std::atomic_load(current);
+  if (!strand || strand->generation != core::ForkGeneration()) {
+    auto made = std::make_shared<const GenerationStrand>(
+        GenerationStrand{core::ForkGeneration(), core::CompletionPool::Instance().MakeStrand()});
+    if (std::atomic_compare_exchange_strong(current, &strand, made)) strand = made;
+  }
+  strand->strand.Post(std::move(work));
+}
+
+void StopLibraryThreads() { core::StopLibraryThreads(); }
+core::LibraryThreadCounts CountLibraryThreads() { return core::CountLibraryThreads(); }
+
+DetectorStats GetDetectorStats() {
+  const auto& detectors = core::CompletionDetectors::Instance();
+  return {detectors.ThreadCount(), detectors.PendingCount(), detectors.ActiveKeys(),
+          detectors.NotifiedWakeups()};
+}
+
+void FailDetectorThreadStartsForTesting(int count) {
+  core::CompletionDetectors::Instance().FailThreadStartsForTesting(count);
+}
+
+size_t PendingFilePairs() { return core::PendingFilePairs(); }
+std::string FileDoorbellSegment() { return core::FileDoorbellSegment(); }
+
+KeptPayloads KeptFilePayloads() {
+  const auto kept = core::payload::Kept();
+  return {kept.produced, kept.received, kept.produced_bytes, kept.received_bytes};
+}
+
+void FileKindAtChildExit() {
+  core::MarkFileProducersExited();
+  core::ReleaseIdleFileSegments();
+}
+
+void HoldFilePromiseLockForTesting(const std::string& serialized) {
+  const std::string prefix = core::SerializedPrefix(core::kFileKind);
+  TORCH_CHECK(serialized.rfind(prefix, 0) == 0, "not a serialized file promise");
+  core::HoldFilePromiseLockForTesting(
+      core::FileHandle::Parse(std::string_view(serialized).substr(prefix.size()), "tensor"));
+}
+
+void SetMaxDetectorThreads(int64_t n) { core::CompletionDetectors::Instance().SetMaxThreads(n); }
+int64_t MaxDetectorThreads() { return core::CompletionDetectors::Instance().MaxThreads(); }
+void SetDetectorIdleExitMs(int64_t ms) { core::CompletionDetectors::Instance().SetIdleExitMs(ms); }
+int64_t DetectorIdleExitMs() { return core::CompletionDetectors::Instance().IdleExitMs(); }
+void SetPoolThreads(int64_t n) { core::CompletionPool::Instance().SetThreads(n); }
+int64_t PoolThreads() { return core::CompletionPool::Instance().Threads(); }
+void SetAttachTimeoutMs(int64_t ms) { core::SetAttachTimeoutMs(ms); }
+int64_t AttachTimeoutMs() { return core::AttachTimeoutMs(); }
+void SetPayloadIdleMs(int64_t ms) { core::payload::SetIdleMs(ms); }
+int64_t PayloadIdleMs() { return core::payload::IdleMs(); }
+void SetExitTimeoutMs(int64_t ms) { core::SetExitTimeoutMs(ms); }
+int64_t ExitTimeoutMs() { return core::ExitTimeoutMs(); }
+
+}  // namespace internal
+}  // namespace dtorch

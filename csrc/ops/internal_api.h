@@ -1,0 +1,117 @@
+// What libdtorch_ops.so exports to the project's own other binaries, besides the public API
+// (<dtorch/dtorch.h>): the Python module dtorch_ops._C and the simulated device of the tests.
+// Every such symbol is declared here, and only here, with DTORCH_INTERNAL_API. Not installed and
+// not a stable interface: C++ users must not rely on it. (The library is built with
+// -fvisibility=hidden: a symbol not marked DTORCH_API or DTORCH_INTERNAL_API stays inside it.)
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <dtorch/dtorch.h>
+
+#include "../core/library_threads.h"
+#include "device_completion.h"
+#include "runtime_hooks.h"
+
+#define DTORCH_INTERNAL_API __attribute__((visibility("default")))
+
+namespace dtorch {
+
+namespace core {
+class ReadyNotifier;
+}
+
+// ---- The embedding runtime (_C): installs its hooks once, when it loads (runtime_hooks.h).
+DTORCH_INTERNAL_API void SetRuntimeHooks(const RuntimeHooks& hooks);
+
+// ---- Device backends: opt a device type in to blocking waits (device_completion.h).
+DTORCH_INTERNAL_API void RegisterBlockingEventWait(c10::DeviceType type, BlockingEventWait wait);
+
+// ---- Event loops (asyncio's `await`).
+// torch.classes.dtorch.ReadyNotifier: an event loop's wake-up channel, an eventfd
+// (core/ready_notifier.h). One per asyncio loop; futures post tokens to it when they complete.
+class DTORCH_INTERNAL_API ReadyNotifier : public torch::CustomClassHolder {
+ public:
+  static constexpr const char* kClassName = "ReadyNotifier";
+  ReadyNotifier();
+  ~ReadyNotifier() override;
+  std::string Kind() const { return "eventfd"; }
+  int64_t FileNo() const;
+  std::vector<int64_t> Drain();
+  // Pending completion callbacks hold it weakly (NotifyWhenReady): this object owns the eventfd.
+  const std::shared_ptr<core::ReadyNotifier>& core() const { return core_; }
+
+ private:
+  const std::shared_ptr<core::ReadyNotifier> core_;
+};
+
+// Posts `token` to `notifier` once the future is ready, at once if it is: how an event loop
+// awaits it. Never consumes. The pending callback holds the notifier weakly: a notifier dropped
+// with its event loop closes its eventfd at once, and a late completion posts nothing; nor does a
+// completion in a fork child of the process that registered it.
+DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<TensorFuture>& future,
+                                         const c10::intrusive_ptr<ReadyNotifier>& notifier,
+                                         int64_t token);
+DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<VoidFuture>& future,
+                                         const c10::intrusive_ptr<ReadyNotifier>& notifier,
+                                         int64_t token);
+DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<VoidFutureCollect>& future,
+                                         const c10::intrusive_ptr<ReadyNotifier>& notifier,
+                                         int64_t token);
+
+namespace internal {
+
+// ---- Threads, fork and exit (core/library_threads.h, core/completion_pool.h).
+DTORCH_INTERNAL_API uint64_t ForkGeneration();
+// Runs `work` on the pool, one at a time and in posting order (one strand, made again in a fork
+// child).
+DTORCH_INTERNAL_API void PostInOrder(std::function<void()> work);
+DTORCH_INTERNAL_API void StopLibraryThreads();
+DTORCH_INTERNAL_API core::LibraryThreadCounts CountLibraryThreads();
+struct DetectorStats {
+  size_t threads = 0;
+  size_t pending = 0;
+  size_t active_streams = 0;
+  uint64_t notified_wakeups = 0;
+};
+DTORCH_INTERNAL_API DetectorStats GetDetectorStats();
+// The next `count` detector thread starts fail (as if the system refused a thread).
+DTORCH_INTERNAL_API void FailDetectorThreadStartsForTesting(int count);
+
+// ---- The file kind (core/file_kind.h, core/payload_pool.h).
+DTORCH_INTERNAL_API size_t PendingFilePairs();
+DTORCH_INTERNAL_API std::string FileDoorbellSegment();
+// Shared-memory segments kept by this process: as producer (pooled) and as consumer (mapped).
+struct KeptPayloads {
+  size_t produced = 0;
+  size_t received = 0;
+  uint64_t produced_bytes = 0;
+  uint64_t received_bytes = 0;
+};
+DTORCH_INTERNAL_API KeptPayloads KeptFilePayloads();
+// In a child process about to exit without the library's exit handler (multiprocessing's fork
+// start): its consumers read "producer exited", and its doorbell goes if nothing is pending.
+DTORCH_INTERNAL_API void FileKindAtChildExit();
+// Takes the interprocess lock of the serialized file promise and never returns.
+[[noreturn]] DTORCH_INTERNAL_API void HoldFilePromiseLockForTesting(const std::string& serialized);
+
+// ---- Settings (dtorch_ops.config). Setters throw std::invalid_argument for values out of range.
+DTORCH_INTERNAL_API void SetMaxDetectorThreads(int64_t n);
+DTORCH_INTERNAL_API int64_t MaxDetectorThreads();
+DTORCH_INTERNAL_API void SetDetectorIdleExitMs(int64_t ms);
+DTORCH_INTERNAL_API int64_t DetectorIdleExitMs();
+DTORCH_INTERNAL_API void SetPoolThreads(int64_t n);
+DTORCH_INTERNAL_API int64_t PoolThreads();
+DTORCH_INTERNAL_API void SetAttachTimeoutMs(int64_t ms);
+DTORCH_INTERNAL_API int64_t AttachTimeoutMs();
+DTORCH_INTERNAL_API void SetPayloadIdleMs(int64_t ms);
+DTORCH_INTERNAL_API int64_t PayloadIdleMs();
+DTORCH_INTERNAL_API void SetExitTimeoutMs(int64_t ms);
+DTORCH_INTERNAL_API int64_t ExitTimeoutMs();
+
+}  // namespace internal
+}  // namespace dtorch
