@@ -51,6 +51,11 @@ class BuildDtorchExtensions(BuildExtension):
             return filename[: filename.index(".")] + ".so"
         return filename
 
+    def run(self):
+        # build_ext.run clears self.inplace before build_extensions: keep what was asked.
+        self._into_checkout = self.inplace or getattr(self, "editable_mode", False)
+        super().run()
+
     def build_extensions(self):
         lib_dir = os.path.dirname(self.get_ext_fullpath(LIB_EXT_NAME))
         for ext in self.extensions:
@@ -59,8 +64,8 @@ class BuildDtorchExtensions(BuildExtension):
         super().build_extensions()
         # An editable install builds into a temporary directory and copies only the extensions
         # into the checkout (copy_extensions_to_source): write the package there directly.
-        editable = self.inplace or getattr(self, "editable_mode", False)
-        self._write_cpp_package(os.path.join(HERE, "dtorch_ops") if editable else lib_dir)
+        self._write_cpp_package(os.path.join(HERE, "dtorch_ops") if self._into_checkout
+                                else lib_dir)
 
     def _write_cpp_package(self, package_dir):
         """The public headers and the CMake package config, next to the library they describe."""
@@ -91,7 +96,10 @@ setup(
                 sources=_sources("core/*.cc", "ops/*.cpp", "*.cpp"),
                 include_dirs=[PUBLIC_INCLUDE, *BOOST_INCLUDE],
                 extra_compile_args={"cxx": CXX_FLAGS},
-                extra_link_args=[f"-Wl,--version-script={os.path.join(HERE, 'csrc', 'exports.map')}"],
+                # A SONAME, so that CMake links the library by its path (dtorch_ops::dtorch_ops), not
+                # as -ldtorch_ops found on the search path; the version script limits the exports.
+                extra_link_args=["-Wl,-soname,libdtorch_ops.so",
+                                 f"-Wl,--version-script={os.path.join(HERE, 'csrc', 'exports.map')}"],
             )
         ),
         # The direct binding: torch's pybind11 and libtorch_python, linked to the library.

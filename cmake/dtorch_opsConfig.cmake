@@ -32,10 +32,12 @@ if(NOT TARGET dtorch_ops::dtorch_ops)
     INTERFACE_INCLUDE_DIRECTORIES "${dtorch_ops_INCLUDE_DIRS}"
     # --no-as-needed keeps the library loaded even where the program calls none of its functions:
     # its static initialisers register torch.ops.dtorch.* and torch.classes.dtorch.*, which
-    # torch::jit::load needs for a module that uses them. (CMake adds the library's directory to
-    # the program's run path.)
+    # torch::jit::load needs for a module that uses them. CMake puts the library's directory in
+    # the run path of the programs it builds; `cmake --install` drops it unless the project sets
+    # INSTALL_RPATH (or CMAKE_INSTALL_RPATH_USE_LINK_PATH).
     INTERFACE_LINK_LIBRARIES "-Wl,--no-as-needed;${dtorch_ops_LIBRARY};-Wl,--as-needed;torch"
-    INTERFACE_COMPILE_FEATURES cxx_std_17)
+    # torch 2.13's headers need C++20 (its imported target does not pass that on).
+    INTERFACE_COMPILE_FEATURES cxx_std_20)
 endif()
 set(dtorch_ops_LIBRARIES dtorch_ops::dtorch_ops)
 unset(_dtorch_ops_file)

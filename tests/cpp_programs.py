@@ -86,8 +86,12 @@ def cmake_cache_value(build_dir, name):
 
 def check_cpp_programs(binaries, module_path):
     """Runs the example (with the scripted module) and the header check, in an environment that
-    does not lead to Python's libraries (no LD_PRELOAD, no PYTHON*)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LD_PRELOAD", "PYTHON"))}
+    leads to no library (no LD_PRELOAD, no LD_LIBRARY_PATH: the programs' run paths decide) and
+    not to Python (no PYTHON*). Returns the path of the libdtorch_ops.so the header check
+    loaded."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHON"))}
+    loaded = None
     for binary in binaries:
         name = os.path.basename(binary)
         args = [module_path] if name == "dtorch_cpp_example" else []
@@ -98,3 +102,6 @@ def check_cpp_programs(binaries, module_path):
             assert "cpp example: OK" in output and "scripted module" in output, output
         else:
             assert "public header check: OK" in output, output
+            (loaded,) = [line.split(": ", 1)[1] for line in output.splitlines()
+                         if line.startswith("loaded: ")]
+    return loaded

@@ -73,4 +73,5 @@ def test_cpp_example_and_public_header_against_the_editable_install(tmp_path):
         prefix_path=[torch.utils.cmake_prefix_path, dtorch_ops.cmake_prefix_path()])
     assert cmake_cache_value(build, "dtorch_ops_DIR") == os.path.join(
         dtorch_ops.cmake_prefix_path(), "dtorch_ops")
-    check_cpp_programs(binaries, module_path)
+    loaded = check_cpp_programs(binaries, module_path)
+    assert os.path.realpath(loaded) == os.path.realpath(dtorch_ops.library_path())

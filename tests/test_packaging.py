@@ -6,6 +6,7 @@ check) builds and runs, the example loading a TorchScript module saved from Pyth
 import glob
 import json
 import os
+import site
 import sys
 
 import pytest
@@ -39,16 +40,25 @@ def installed_wheel(tmp_path_factory):
     # nothing is downloaded, torch included.
     _ok(run_bounded([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
                      "--no-index", "-w", wheels, REPO],
-                    timeout=1200, cwd=REPO, env={**os.environ, "MAX_JOBS": "2"}), "pip wheel")
+                    timeout=1200, cwd=REPO, env={"MAX_JOBS": "2", **os.environ}), "pip wheel")
     (wheel,) = glob.glob(str(wheels / "dtorch_ops-*.whl"))
     venv = work / "venv"
-    _ok(run_bounded([sys.executable, "-m", "venv", "--system-site-packages", venv], timeout=300),
-        "python -m venv")
+    # Without pip (Debian's python lacks ensurepip unless python3-venv is installed): this
+    # interpreter's pip installs into it (--python).
+    _ok(run_bounded([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                     venv], timeout=120), "python -m venv")
     python = str(venv / "bin" / "python")
-    # --ignore-installed: the system's site-packages (which the venv sees) may hold an editable
-    # dtorch_ops of the same version; the venv gets its own.
-    _ok(run_bounded([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                     "--ignore-installed", wheel], timeout=300), "pip install <wheel>")
+    if sys.prefix != sys.base_prefix:
+        # This interpreter is itself a venv: --system-site-packages shows the base interpreter's
+        # site-packages, not this one's (where torch is). Show them as well.
+        (purelib,) = glob.glob(str(venv / "lib" / "python3*" / "site-packages"))
+        with open(os.path.join(purelib, "outer_site_packages.pth"), "w") as pth:
+            pth.write("\n".join(site.getsitepackages()) + "\n")
+    # --ignore-installed: the site-packages the venv sees may hold an editable dtorch_ops of the
+    # same version; the venv gets its own.
+    _ok(run_bounded([sys.executable, "-m", "pip", "--python", python, "install", "-q",
+                     "--no-deps", "--no-index", "--ignore-installed", wheel], timeout=300),
+        "pip install <wheel>")
     out = _ok(run_bounded([python, "-c", "import json, dtorch_ops; print(json.dumps({'file': "
                            "dtorch_ops.__file__, " + ", ".join(
                                f"'{name}': dtorch_ops.{name}()" for name in _PATHS) + "}))"],
@@ -57,8 +67,9 @@ def installed_wheel(tmp_path_factory):
     return python, venv, paths
 
 
+# The fixture's steps (at most 1,200 + 120 + 300 + 120 s) count towards the first test's limit.
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(2400)
 def test_wheel_installs_the_package_and_its_cpp_package(installed_wheel):
     python, venv, paths = installed_wheel
     site = os.path.realpath(venv)
@@ -71,7 +82,7 @@ def test_wheel_installs_the_package_and_its_cpp_package(installed_wheel):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(2400)  # the fixture may run first (see above)
 def test_quick_tour_from_the_venv(installed_wheel, tmp_path):
     python, venv, paths = installed_wheel
     out = _ok(run_bounded([python, os.path.join(REPO, "examples", "quickstart.py")], timeout=240,
@@ -80,7 +91,7 @@ def test_quick_tour_from_the_venv(installed_wheel, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(2400)  # the fixture may run first (see above)
 def test_cpp_programs_against_the_installed_package(installed_wheel, tmp_path):
     python, venv, paths = installed_wheel
     cmake = require_tool("cmake", "cannot build examples/cpp")
@@ -100,4 +111,5 @@ def test_cpp_programs_against_the_installed_package(installed_wheel, tmp_path):
         dynamic = _ok(run_bounded([readelf, "-d", binary], timeout=60), "readelf")
         assert os.path.dirname(paths["library_path"]) in dynamic, dynamic
         assert os.path.join(REPO, "dtorch_ops") not in dynamic, dynamic
-    check_cpp_programs(binaries, save_scripted_doubler(tmp_path))
+    loaded = check_cpp_programs(binaries, save_scripted_doubler(tmp_path))
+    assert os.path.realpath(loaded) == os.path.realpath(paths["library_path"])

@@ -45,6 +45,13 @@ auto TranslateErrors(Fn&& fn) -> decltype(fn()) {
   }
 }
 
+// Only the library can make a backend; a caller of the public constructor can pass null.
+template <typename Backend>
+const Backend& NonNull(const std::unique_ptr<Backend>& backend) {
+  TORCH_CHECK_VALUE(backend != nullptr, "dtorch: a promise needs a backend, got none");
+  return *backend;
+}
+
 [[noreturn]] void ThrowTimeout(int64_t timeout_ms) {
   ThrowCoded(TimedOut(std::to_string(timeout_ms)));
 }
@@ -118,7 +125,7 @@ const core::KindRegistry<T>& Kinds() {
 template <typename T>
 Future<T>::Future(std::unique_ptr<core::FutureBackend<T>> backend, const char* kind)
     : backend_(std::move(backend)), kind_(kind) {
-  TORCH_INTERNAL_ASSERT(backend_ != nullptr);
+  TORCH_CHECK_VALUE(backend_ != nullptr, "dtorch: a future needs a backend, got none");
 }
 
 template <typename T>
@@ -179,7 +186,7 @@ Promise<T>::Promise(const std::string& kind)
 
 template <typename T>
 Promise<T>::Promise(std::unique_ptr<core::PromiseBackend<T>> backend)
-    : backend_(std::move(backend)), kind_(backend_->Kind()) {}
+    : backend_(std::move(backend)), kind_(NonNull(backend_).Kind()) {}
 
 template <typename T>
 Promise<T>::~Promise() = default;
@@ -201,7 +208,12 @@ void Promise<T>::Claim(const char* producer) {
 }
 
 template <typename T>
-void Promise<T>::SetValue(T value, const char* caller) {
+void Promise<T>::SetValue(T value) {
+  SetValueFrom(std::move(value), "set_value");
+}
+
+template <typename T>
+void Promise<T>::SetValueFrom(T value, const char* caller) {
   if constexpr (std::is_same_v<T, at::Tensor>) {
     TORCH_CHECK(value.defined(), "dtorch: set_value needs a defined tensor, got an undefined one");
     if (value.key_set().has(c10::DispatchKey::Python)) {

@@ -25,6 +25,11 @@ class ProducerAccess {
   // Refuses a value this promise's kind cannot carry (a device tensor in a file promise), before
   // anything is claimed.
   static void CheckValue(const Promise<T>& promise, const T& value) { promise.CheckValue(value); }
+  // SetValue, naming the op that fulfils the promise in a second completion's error (a string
+  // literal: the claim keeps the pointer).
+  static void SetValue(Promise<T>& promise, T value, const char* caller) {
+    promise.SetValueFrom(std::move(value), caller);
+  }
   // `producer` names the call (a string literal: it is kept).
   static void Claim(Promise<T>& promise, const char* producer) { promise.Claim(producer); }
   static void CompleteClaimed(Promise<T>& promise, T value) noexcept {

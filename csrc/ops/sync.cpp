@@ -33,7 +33,7 @@ c10::Device Resolve(const c10::Device& device) {
 }
 
 // The CPU sync kernel: CPU work is done when the op runs.
-void SyncCpu(const c10::intrusive_ptr<VoidPromise>& promise) { promise->SetValue({}, "sync"); }
+void SyncCpu(const c10::intrusive_ptr<VoidPromise>& promise) { Producer::SetValue(*promise, {}, "sync"); }
 
 // The device sync kernel: complete once the device's current stream reaches this point.
 void SyncDevice(const c10::Device& device, const c10::intrusive_ptr<VoidPromise>& promise) {

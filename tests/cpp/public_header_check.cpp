@@ -2,7 +2,8 @@
 // torch, the factory functions it makes its tensors with) and uses every public name, and is built with no include path into csrc/ (the root CMakeLists.txt links it to
 // dtorch_ops::dtorch_ops of an installed package). Linking it proves each is exported; running it
 // that each does what its declaration says, in brief (examples/cpp and the Python tests go
-// further). Prints "public header check: OK".
+// further). Prints the path of the libdtorch_ops.so it loaded ("loaded: <path>") and "public
+// header check: OK".
 #include <dtorch/dtorch.h>
 
 #if __has_include("core/promise_future.h") || __has_include("ops/futures.h") || \
@@ -15,6 +16,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <atomic>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <stdexcept>
@@ -108,6 +110,20 @@ void Sync() {
   set_future->Get();
 }
 
+// The libdtorch_ops.so this process mapped (from /proc/self/maps): the tests check that it is the
+// installed package's.
+std::string LoadedLibrary() {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    const auto slash = line.find('/');
+    if (slash != std::string::npos && line.size() >= 16 &&
+        line.compare(line.size() - 16, 16, "libdtorch_ops.so") == 0) {
+      return line.substr(slash);
+    }
+  }
+  return "(not mapped)";
+}
+
 }  // namespace
 
 int main() {
@@ -119,6 +135,7 @@ int main() {
     std::cerr << "public header check: FAILED: " << e.what() << "\n";
     return 1;
   }
+  std::cout << "loaded: " << LoadedLibrary() << "\n";
   std::cout << "public header check: OK\n";
   return 0;
 }

@@ -16,11 +16,15 @@
 // torch.classes.dtorch.*: the same objects a scripted module passes around, shareable between
 // threads, destroyed with their last reference. Every method of every class here is thread-safe.
 //
-// Errors are c10::Error (c10::ValueError for bad arguments, c10::TypeError for a promise that
-// cannot leave its process) with a "dtorch: <cause>: <detail>" message; CodeOf(error) gives the
-// cause as a FutureErrc (dtorch/types.h), so no caller need parse messages.
+// Errors. A promise's or future's failure (broken promise, timeout, producer error, ...) is a
+// c10::Error with a "dtorch: <cause>: <detail>" message and a code: CodeOf(error)->code(), a
+// FutureErrc (dtorch/types.h), so that no caller parses messages (a serialized promise that is
+// malformed is also a c10::ValueError, a promise that cannot leave its process a c10::TypeError).
+// A bad argument (a negative timeout, a null handle, an unknown kind, an undefined tensor) is a
+// c10::Error or c10::ValueError without a code: CodeOf gives nullptr.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -76,7 +80,7 @@ class DTORCH_API CodedErrorBase {
   FutureErrc code_;
 };
 
-// The code of a c10::Error thrown by this library, or nullptr for another error.
+// The code of a promise's or future's failure, or nullptr for another error (see "Errors").
 inline const CodedErrorBase* CodeOf(const c10::Error& error) {
   return dynamic_cast<const CodedErrorBase*>(&error);
 }
@@ -91,7 +95,7 @@ template <typename T>
 class DTORCH_API Future : public torch::CustomClassHolder {
  public:
   static constexpr const char* kClassName = detail::PairNames<T>::kFuture;
-  // Made by the library (its backend type is internal).
+  // Made by the library (its backend type is internal; null: c10::ValueError).
   Future(std::unique_ptr<core::FutureBackend<T>> backend, const char* kind);
   ~Future() override;
 
@@ -135,7 +139,7 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
   // kind: "memory" (same process) or "file" (processes of one host, through shared memory).
   // Throws c10::ValueError for an unknown kind.
   explicit Promise(const std::string& kind);
-  // Made by the library (its backend type is internal).
+  // Made by the library (its backend type is internal; null: c10::ValueError).
   explicit Promise(std::unique_ptr<core::PromiseBackend<T>> backend);
   ~Promise() override;
   // The promise that another process serialized with Serialize(): untrusted input, validated
@@ -145,9 +149,8 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
 
   // Fulfils the promise with `value` (a memory future yields this very tensor; a file future a
   // copy, so a file promise takes CPU tensors only). A second completion throws
-  // FutureErrc::kPromiseAlreadySatisfied and the first value is kept. `caller` names the call in
-  // that error.
-  void SetValue(T value, const char* caller = "set_value");
+  // FutureErrc::kPromiseAlreadySatisfied and the first value is kept.
+  void SetValue(T value);
   // Fails the future with FutureErrc::kProducerError and `message`.
   void SetException(const std::string& message);
   // The consumer's end; callable once (then FutureErrc::kFutureAlreadyRetrieved). For a file
@@ -160,6 +163,8 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
 
  private:
   friend class detail::ProducerAccess<T>;
+  // SetValue, naming the op that fulfils the promise (a string literal: the claim keeps it).
+  void SetValueFrom(T value, const char* caller);
   // For producers that complete later (the device get_tensor kernel, sync_into): Claim() reserves
   // the promise at call time, so that any other completion raises now; the producer then completes
   // with CompleteClaimed / FailClaimed, which never throw.
@@ -238,7 +243,8 @@ inline at::Tensor ToTorch(const at::Tensor& input) { return GetTensorAsync(input
 
 // The promise kind for a pair whose promise a worker fulfils with `tensor`: "memory" for a CPU
 // tensor, or for any tensor unless per_device_per_process; "file" for a device tensor when each
-// device has its own worker process.
+// device has its own worker process. A file promise carries CPU tensors: such a worker passes
+// tensor.cpu() to GetTensor or SetValue.
 DTORCH_API std::string PromiseKindFor(const at::Tensor& tensor, bool per_device_per_process);
 // A promise of that kind.
 DTORCH_API c10::intrusive_ptr<TensorPromise> TensorPromiseFor(const at::Tensor& tensor,
