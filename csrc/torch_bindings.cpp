@@ -76,7 +76,8 @@ torch::class_<C>& NotPicklable(torch::class_<C>& cls) {
       });
 }
 
-// TensorFuture / VoidFuture. get() and wait() return the tensor, or None for a VoidFuture.
+// TensorFuture / VoidFuture / TensorListFuture. get() and wait() return the tensor, None for a
+// VoidFuture, the list of tensors for a TensorListFuture.
 template <typename T>
 void DefineFuture(torch::Library& m) {
   using F = Future<T>;
@@ -149,6 +150,7 @@ TORCH_LIBRARY(dtorch, m) {
   DefinePromise<at::Tensor>(m);
   DefineFuture<dtorch::Unit>(m);
   DefinePromise<dtorch::Unit>(m);
+  DefineFuture<std::vector<at::Tensor>>(m);
 
   // One VoidFuture per device of a sync, awaited as one.
   auto collect = m.class_<VoidFutureCollect>("VoidFutureCollect");
@@ -172,6 +174,17 @@ TORCH_LIBRARY(dtorch, m) {
   // Returns at once a future that yields `input` (aliased, no copy) when it is ready.
   m.def(torch::schema(
       "get_tensor_async(Tensor input) -> __torch__.torch.classes.dtorch.TensorFuture",
+      c10::AliasAnalysisKind::CONSERVATIVE));
+  // The host copy: returns at once a future of a CPU copy of `input` (detached; a CPU input as it
+  // is), made by a non-blocking copy into pinned memory on input's current stream, and ready once
+  // an event recorded after the copy has fired.
+  m.def(torch::schema(
+      "copy_to_host_async(Tensor input) -> __torch__.torch.classes.dtorch.TensorFuture",
+      c10::AliasAnalysisKind::CONSERVATIVE));
+  // The same for several tensors: one event per device, one future yielding the list.
+  m.def(torch::schema(
+      "copy_list_to_host_async(Tensor[] inputs) -> "
+      "__torch__.torch.classes.dtorch.TensorListFuture",
       c10::AliasAnalysisKind::CONSERVATIVE));
   // Returns at once a collect of one VoidFuture per device, each ready when the work queued so
   // far on that device's current stream is done. None: the devices this process has used.
@@ -228,6 +241,9 @@ TORCH_LIBRARY_IMPL(dtorch, PrivateUse1, m) {
 // have no tensor argument to dispatch on; their kernels pick the per-device sync kernels.
 TORCH_LIBRARY_IMPL(dtorch, CompositeExplicitAutograd, m) {
   m.impl("get_tensor_async", &dtorch::kernels::get_tensor_async);
+  // One kernel for every device: torch's non-blocking copy and the device-generic event.
+  m.impl("copy_to_host_async", &dtorch::kernels::copy_to_host_async);
+  m.impl("copy_list_to_host_async", &dtorch::kernels::copy_list_to_host_async);
   m.impl("sync", &dtorch::kernels::sync);
   m.impl("sync_into", &dtorch::kernels::sync_into);
   m.impl("sync_wait", &dtorch::kernels::sync_wait);
@@ -246,18 +262,23 @@ TORCH_LIBRARY_IMPL(dtorch, AutogradNestedTensor, m) {
 TORCH_LIBRARY_IMPL(dtorch, FuncTorchDynamicLayerFrontMode, m) {
   m.impl("get_tensor", &dtorch::kernels::refuse_in_transform_get_tensor);
   m.impl("get_tensor_async", &dtorch::kernels::refuse_in_transform_get_tensor_async);
+  m.impl("copy_to_host_async", &dtorch::kernels::refuse_in_transform_copy_to_host_async);
+  m.impl("copy_list_to_host_async",
+         &dtorch::kernels::refuse_in_transform_copy_list_to_host_async);
 }
 
 // Autocast keys are not fallthrough for ops with custom-class arguments (pytorch#158414), and
 // autocast's keys come from thread-local state even for ops without tensors: these ops compute
 // nothing, so autocast passes them through unchanged.
-#define DTORCH_AUTOCAST_FALLTHROUGH(key)                               \
-  TORCH_LIBRARY_IMPL(dtorch, key, m) {                                 \
-    m.impl("get_tensor", torch::CppFunction::makeFallthrough());       \
-    m.impl("get_tensor_async", torch::CppFunction::makeFallthrough()); \
-    m.impl("sync", torch::CppFunction::makeFallthrough());             \
-    m.impl("sync_into", torch::CppFunction::makeFallthrough());        \
-    m.impl("sync_wait", torch::CppFunction::makeFallthrough());        \
+#define DTORCH_AUTOCAST_FALLTHROUGH(key)                                      \
+  TORCH_LIBRARY_IMPL(dtorch, key, m) {                                        \
+    m.impl("get_tensor", torch::CppFunction::makeFallthrough());              \
+    m.impl("get_tensor_async", torch::CppFunction::makeFallthrough());        \
+    m.impl("copy_to_host_async", torch::CppFunction::makeFallthrough());      \
+    m.impl("copy_list_to_host_async", torch::CppFunction::makeFallthrough()); \
+    m.impl("sync", torch::CppFunction::makeFallthrough());                    \
+    m.impl("sync_into", torch::CppFunction::makeFallthrough());               \
+    m.impl("sync_wait", torch::CppFunction::makeFallthrough());               \
   }
 DTORCH_AUTOCAST_FALLTHROUGH(AutocastCPU)
 DTORCH_AUTOCAST_FALLTHROUGH(AutocastCUDA)

@@ -86,6 +86,7 @@ from .errors import (  # noqa: E402
 from .futures import (  # noqa: E402
     ObjectFuture,
     TensorFuture,
+    TensorListFuture,
     TensorPromise,
     VoidFuture,
     VoidFutureCollect,
@@ -146,6 +147,7 @@ __all__ = [
     "ObjectFuture",
     "PromiseAlreadySatisfiedError",
     "TensorFuture",
+    "TensorListFuture",
     "TensorPromise",
     "VoidFuture",
     "VoidFutureCollect",

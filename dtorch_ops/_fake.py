@@ -72,7 +72,7 @@ def _register_fake_class(name: str, methods: tuple, why: str):
 
 _WAIT_OUTSIDE = "wait on the future outside the compiled region"
 _USE_OPS = "call the ops (get_tensor, sync_into) with the promise there instead"
-for _name in ("TensorFuture", "VoidFuture"):
+for _name in ("TensorFuture", "VoidFuture", "TensorListFuture"):
     _register_fake_class(
         _name, ("get", "wait", "value", "wait_for", "is_ready", "done", "valid",
                 "notify_when_ready"),
@@ -116,6 +116,14 @@ def _get_tensor_fake(input, promise):
     return None
 
 
+def _failed_future(op):
+    promise = torch.classes.dtorch.TensorPromise("memory")
+    future = promise.get_future()
+    promise.set_exception(f"this TensorFuture came from dtorch::{op}'s fake kernel (tracing) and "
+                          "holds no value")
+    return future
+
+
 @torch.library.register_fake("dtorch::get_tensor_async")
 def _get_tensor_async_fake(input):
     require_fake_mode("get_tensor_async", input)
@@ -123,13 +131,23 @@ def _get_tensor_async_fake(input):
     # the fake output is a real future that can only report that it came from tracing. Dynamo
     # (torch 2.13) then graph-breaks at the op and runs it eagerly: ops returning a new script
     # object cannot be captured (tests/test_compile.py, ..._fall_back_with_a_graph_break).
-    promise = torch.classes.dtorch.TensorPromise("memory")
-    future = promise.get_future()
-    promise.set_exception(
-        "this TensorFuture came from dtorch::get_tensor_async's fake kernel (tracing) and holds "
-        "no value"
-    )
-    return future
+    return _failed_future("get_tensor_async")
+
+
+@torch.library.register_fake("dtorch::copy_to_host_async")
+def _copy_to_host_async_fake(input):
+    # As for get_tensor_async (a real object of the schema's class; Dynamo breaks the graph).
+    require_fake_mode("copy_to_host_async", input)
+    return _failed_future("copy_to_host_async")
+
+
+@torch.library.register_fake("dtorch::copy_list_to_host_async")
+def _copy_list_to_host_async_fake(inputs):
+    for input in inputs:
+        require_fake_mode("copy_list_to_host_async", input)
+    # A future of no copies (nothing is copied while tracing).
+    with _disable_current_modes():
+        return torch.ops.dtorch.copy_list_to_host_async.default([])
 
 
 @torch.library.register_fake("dtorch::sync")
@@ -183,14 +201,19 @@ def _register_inductor_lowerings(lowering_module) -> None:
                 "inductor's cpp_wrapper mode cannot hold: compile this graph without "
                 "cpp_wrapper, or make the future (or fulfil the promise) outside it")
 
+    def held(input):
+        input.realize()
+        if not V.graph.is_inference and input.get_name() not in V.graph.graph_inputs:
+            input = lowering_module.clone(input)
+            input.realize()
+        V.graph.never_reuse_buffers.add(input.get_name())
+        return input
+
     def lower_holding_input(op):
+        # The first argument: a tensor, or a list of them (to_host_list_async).
         def lowering(input, *args):
             refuse_cpp_wrapper(op)
-            input.realize()
-            if not V.graph.is_inference and input.get_name() not in V.graph.graph_inputs:
-                input = lowering_module.clone(input)
-                input.realize()
-            V.graph.never_reuse_buffers.add(input.get_name())
+            input = [held(x) for x in input] if isinstance(input, (list, tuple)) else held(input)
             return lowering_module.fallback_handler(op, add_to_fallback_set=False)(input, *args)
 
         return lowering
@@ -217,14 +240,15 @@ def _defined_ops(*names):
 
 
 # Ops whose kernels keep a reference to their tensor input after they return (the futures they
-# fulfil alias it).
-_OPS_HOLDING_THEIR_INPUT = _defined_ops("get_tensor", "to_torch_async", "get_tensor_opaque")
+# fulfil alias it; the host copies alias a CPU input, and read a device input after they return).
+_OPS_HOLDING_THEIR_INPUT = _defined_ops("get_tensor", "to_torch_async", "get_tensor_opaque",
+                                        "to_host_async", "to_host_list_async")
 # The Python-defined ops, which return or take Python objects (futures, promises).
-_OPS_WITH_PYTHON_OBJECTS = _defined_ops("to_torch_async", "sync_async", "get_tensor_opaque",
-                                        "sync_into_opaque")
+_OPS_WITH_PYTHON_OBJECTS = _defined_ops("to_torch_async", "to_host_async", "to_host_list_async",
+                                        "sync_async", "get_tensor_opaque", "sync_into_opaque")
 # Ops that take a tensor: a DTensor gets the error that says to pass a local tensor.
 _OPS_TAKING_A_TENSOR = tuple(op.name() for op in _OPS_HOLDING_THEIR_INPUT) + (
-    "dtorch::get_tensor_async",)
+    "dtorch::get_tensor_async", "dtorch::copy_to_host_async", "dtorch::copy_list_to_host_async")
 
 
 _registrations = {"torch._inductor.lowering": _register_inductor_lowerings}

@@ -8,9 +8,13 @@ to the schema's C++ class). So the Python future classes are registered as refer
 objects (``torch._library.opaque_object``), and two ops defined here return them:
 
     dtorch::to_torch_async(Tensor input) -> dtorch_ops.futures.TensorFuture
+    dtorch::to_host_async(Tensor input) -> dtorch_ops.futures.TensorFuture
+    dtorch::to_host_list_async(Tensor[] inputs) -> dtorch_ops.futures.TensorListFuture
     dtorch::sync_async(Device[]? devices=None) -> dtorch_ops.futures.VoidFutureCollect
 
-Their kernels call the C++ ops through the binding and wrap the result; their fake kernels make a
+(``to_host_async`` / ``to_host_list_async``: the host copy, ``to_torch_async(t, device="cpu")``,
+over the C++ ``copy_to_host_async`` / ``copy_list_to_host_async``.) Their kernels call the C++
+ops through the binding and wrap the result; their fake kernels make a
 placeholder future (it fails with a message saying where it came from); they are ordered effects,
 so a compiled graph keeps them, runs them once per call and records the completion right after the
 value's producer. ``dtorch_ops.to_torch_async`` / ``sync_async`` call them only while compiling:
@@ -42,6 +46,8 @@ class GraphOps:
     """The op overloads compiled code calls (``torch.ops.dtorch.<name>.default``)."""
 
     to_torch_async: torch._ops.OpOverload
+    to_host_async: torch._ops.OpOverload
+    to_host_list_async: torch._ops.OpOverload
     sync_async: torch._ops.OpOverload
     get_tensor: torch._ops.OpOverload  # dtorch::get_tensor_opaque
     sync_into: torch._ops.OpOverload  # dtorch::sync_into_opaque
@@ -139,7 +145,7 @@ def require_fake_mode(op: str, input) -> None:
 _library = None
 
 
-def define(tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
+def define(tensor_future_cls, list_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
            c_module) -> GraphOps | None:
     """Registers the future and promise classes as opaque types and defines the ops; None where
     this torch cannot (compiled code then falls back to a graph break, and to the promises'
@@ -153,14 +159,17 @@ def define(tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
     if not isinstance(tensor_future_cls, opaque_metaclass()) or not _returns_opaques_from_graphs():
         return None
     try:
-        classes = (tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls)
+        classes = (tensor_future_cls, list_future_cls, collect_cls, tensor_promise_cls,
+                   void_promise_cls)
         for cls in classes:
             register_opaque_type(cls, typ="reference")
-        future_type, collect_type, tensor_promise_type, void_promise_type = (
+        future_type, list_future_type, collect_type, tensor_promise_type, void_promise_type = (
             get_opaque_type_name(cls) for cls in classes)
         library = torch.library.Library(NAMESPACE, "FRAGMENT")
         # Library.define rather than torch.library.custom_op: ~20 % less per call.
         library.define(f"to_torch_async(Tensor input) -> {future_type}")
+        library.define(f"to_host_async(Tensor input) -> {future_type}")
+        library.define(f"to_host_list_async(Tensor[] inputs) -> {list_future_type}")
         library.define(f"sync_async(Device[]? devices=None) -> {collect_type}")
         library.define(f"get_tensor_opaque(Tensor input, {tensor_promise_type} promise) -> ()")
         library.define(f"sync_into_opaque(Device[]? devices, {void_promise_type} promise) -> ()")
@@ -176,7 +185,7 @@ def define(tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
     # naming the form that compiles.
     from torch._library.opaque_object import MemberType, get_opaque_obj_info
 
-    for cls in (tensor_future_cls, collect_cls):
+    for cls in (tensor_future_cls, list_future_cls, collect_cls):
         get_opaque_obj_info(cls).members.update(
             {name: MemberType.INLINED for name in (*_WAIT_MEMBERS, "raw") if hasattr(cls, name)})
     # A promise's methods break the graph (or refuse under export) before touching its state.
@@ -184,16 +193,26 @@ def define(tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
         get_opaque_obj_info(cls).members.update(
             {name: MemberType.INLINED for name in _PROMISE_MEMBERS if hasattr(cls, name)})
     placeholder_future_cls = _placeholder_class(tensor_future_cls)
+    placeholder_list_future_cls = _placeholder_class(list_future_cls)
     placeholder_collect_cls = _placeholder_class(collect_cls)
     wrap_future = tensor_future_cls._wrap
+    wrap_list_future = list_future_cls._wrap
     wrap_collect = collect_cls._wrap
     c_get_tensor_async = c_module.get_tensor_async
+    c_copy_to_host_async = c_module.copy_to_host_async
+    c_copy_list_to_host_async = c_module.copy_list_to_host_async
     c_sync_async = c_module.sync_async
     c_get_tensor = c_module.get_tensor
     c_sync_into = c_module.sync_into
 
     def to_torch_async(input):
         return wrap_future(c_get_tensor_async(input))
+
+    def to_host_async(input):
+        return wrap_future(c_copy_to_host_async(input))
+
+    def to_host_list_async(inputs):
+        return wrap_list_future(c_copy_list_to_host_async(inputs))
 
     def sync_async(devices=None):
         return wrap_collect(c_sync_async(devices))
@@ -205,6 +224,8 @@ def define(tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
         c_sync_into(devices, promise._h)
 
     library.impl("to_torch_async", to_torch_async, "CompositeExplicitAutograd")
+    library.impl("to_host_async", to_host_async, "CompositeExplicitAutograd")
+    library.impl("to_host_list_async", to_host_list_async, "CompositeExplicitAutograd")
     library.impl("sync_async", sync_async, "CompositeExplicitAutograd")
     library.impl("get_tensor_opaque", get_tensor_opaque, "CompositeExplicitAutograd")
     library.impl("sync_into_opaque", sync_into_opaque, "CompositeExplicitAutograd")
@@ -213,13 +234,28 @@ def define(tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
     # outside the fake mode (newer torch refuses reference opaques created under it); a
     # placeholder future fails with a message saying where it came from, should anything wait on
     # it; a placeholder collect spans no device.
-    def to_torch_async_fake(input):
-        require_fake_mode("to_torch_async", input)
+    def placeholder_future(op):
         with unset_fake_temporarily():
             promise = c_module.TensorPromise("memory")
-            promise.set_exception("this future is dtorch::to_torch_async's placeholder made "
-                                  "while tracing; it holds no value")
+            promise.set_exception(f"this future is dtorch::{op}'s placeholder made while "
+                                  "tracing; it holds no value")
             return placeholder_future_cls._wrap(promise.get_future())
+
+    def to_torch_async_fake(input):
+        require_fake_mode("to_torch_async", input)
+        return placeholder_future("to_torch_async")
+
+    def to_host_async_fake(input):
+        require_fake_mode("to_host_async", input)
+        return placeholder_future("to_host_async")
+
+    def to_host_list_async_fake(inputs):
+        for input in inputs:
+            require_fake_mode("to_host_list_async", input)
+        # (An empty list of copies, never read: every member of the placeholder breaks the graph
+        # or raises before reaching it.)
+        with unset_fake_temporarily():
+            return placeholder_list_future_cls._wrap(c_copy_list_to_host_async([]))
 
     def sync_async_fake(devices=None):
         with unset_fake_temporarily():
@@ -230,12 +266,16 @@ def define(tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
 
     torch.library.register_fake(f"{NAMESPACE}::to_torch_async", to_torch_async_fake,
                                 lib=library)
+    torch.library.register_fake(f"{NAMESPACE}::to_host_async", to_host_async_fake, lib=library)
+    torch.library.register_fake(f"{NAMESPACE}::to_host_list_async", to_host_list_async_fake,
+                                lib=library)
     torch.library.register_fake(f"{NAMESPACE}::sync_async", sync_async_fake, lib=library)
     torch.library.register_fake(f"{NAMESPACE}::get_tensor_opaque", get_tensor_opaque_fake,
                                 lib=library)
     torch.library.register_fake(f"{NAMESPACE}::sync_into_opaque", lambda devices, promise: None,
                                 lib=library)
-    for name in ("to_torch_async", "sync_async", "get_tensor_opaque", "sync_into_opaque"):
+    for name in ("to_torch_async", "to_host_async", "to_host_list_async", "sync_async",
+                 "get_tensor_opaque", "sync_into_opaque"):
         register_ordered_effect(f"{NAMESPACE}::{name}")
 
     def refuse_vmap(name):
@@ -249,11 +289,15 @@ def define(tensor_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
 
         return refuse
 
-    for name, op in (("to_torch_async", "to_torch_async"), ("get_tensor", "get_tensor_opaque")):
+    for name, op in (("to_torch_async", "to_torch_async"), ("get_tensor", "get_tensor_opaque"),
+                     ("to_torch_async(t, device='cpu')", "to_host_async"),
+                     ("to_torch_async([...], device='cpu')", "to_host_list_async")):
         torch.library.register_vmap(f"{NAMESPACE}::{op}", refuse_vmap(name), lib=library)
     _library = library
     ops = torch.ops.dtorch
     return GraphOps(to_torch_async=ops.to_torch_async.default,
+                    to_host_async=ops.to_host_async.default,
+                    to_host_list_async=ops.to_host_list_async.default,
                     sync_async=ops.sync_async.default,
                     get_tensor=ops.get_tensor_opaque.default,
                     sync_into=ops.sync_into_opaque.default)

@@ -31,6 +31,8 @@ _new = object.__new__
 # The ops, for compiled code (Dynamo traces torch.ops, not the _C binding).
 _get_tensor_op = torch.ops.dtorch.get_tensor.default
 _get_tensor_async_op = torch.ops.dtorch.get_tensor_async.default
+_copy_to_host_async_op = torch.ops.dtorch.copy_to_host_async.default
+_copy_list_to_host_async_op = torch.ops.dtorch.copy_list_to_host_async.default
 _sync_op = torch.ops.dtorch.sync.default
 _sync_wait_op = torch.ops.dtorch.sync_wait.default
 _sync_into_op = torch.ops.dtorch.sync_into.default
@@ -340,6 +342,16 @@ class TensorFuture(_Future):
     _PRODUCED_BY = "torch.ops.dtorch.get_tensor_async"
 
 
+class TensorListFuture(_Future):
+    """Several tensors that arrive together: the host copies of
+    ``to_torch_async([loss, acc, lr], device="cpu")``. ``get()`` returns the list (in order);
+    otherwise like TensorFuture (consumed by get(), errors raised, awaitable)."""
+
+    __slots__ = ()
+    _HANDLE = _C.TensorListFuture
+    _PRODUCED_BY = "torch.ops.dtorch.copy_list_to_host_async"
+
+
 class VoidFuture(_Future):
     """A completion signal without a value: get() and wait() return None. Otherwise like
     TensorFuture (consumed by get(), errors and broken promises raised, awaitable)."""
@@ -510,7 +522,7 @@ def _adopter(promise_class):
 TensorFuture._ADOPT = _adopter(_C.TensorPromise)
 VoidFuture._ADOPT = _adopter(_C.VoidPromise)
 
-for _cls in (TensorFuture, VoidFuture, VoidFutureCollect):
+for _cls in (TensorFuture, TensorListFuture, VoidFuture, VoidFutureCollect):
     _C.install_wait_methods(_cls, _cls._HANDLE)
 _C.install_wait_methods(ObjectFuture, ObjectFuture._HANDLE, with_values=False)
 
@@ -741,7 +753,8 @@ class VoidPromise(_PromiseBase):
 
 # The ops that create futures and fulfil promises inside compiled graphs; None on a torch without
 # opaque types (promises then carry their TorchScript object from birth, for the raw ops).
-_graph = _graph_ops.define(TensorFuture, VoidFutureCollect, TensorPromise, VoidPromise, _C)
+_graph = _graph_ops.define(TensorFuture, TensorListFuture, VoidFutureCollect, TensorPromise,
+                          VoidPromise, _C)
 
 
 def _promise_handle(promise, wrapper=TensorPromise):
@@ -796,9 +809,19 @@ def get_tensor(t: torch.Tensor, promise) -> None:
         _C.get_tensor(t, _promise_handle(promise), _above_subclass(t, "get_tensor"))
 
 
-def to_torch_async(t: torch.Tensor) -> TensorFuture:
+def to_torch_async(t, device=None):
     """Returns at once a future that yields t (aliased, no copy) when the work producing it is
-    done. On CPU the value is ready at once. Inside torch.compile: an ordered op of the graph."""
+    done. On CPU the value is ready at once. Inside torch.compile: an ordered op of the graph.
+
+    ``device="cpu"``: the host copy. The future yields a CPU copy of t, made by a non-blocking
+    copy into pinned memory (torch's cached pinned allocator) queued on t's current stream, and is
+    ready once the copy has landed (an event after it; no device sync, other streams are not
+    waited for): a loss to log without ``.item()``'s stall. A CPU tensor is yielded as it is (no
+    copy). A list or tuple of tensors is copied with one event per device, and gives one
+    ``TensorListFuture`` yielding the list. The values are detached (a tensor that requires grad
+    yields one that does not)."""
+    if device is not None:
+        return _to_host_async(t, device)
     if _is_compiling():
         _check_local_tensor(t, "to_torch_async")
         if not (_defines_torch_dispatch(t) and not _is_tracing_tensor(t)):
@@ -820,12 +843,38 @@ def to_torch_async(t: torch.Tensor) -> TensorFuture:
     return TensorFuture._wrap(_C.get_tensor_async(t, _above_subclass(t, "to_torch_async")))
 
 
-def to_torch(t: torch.Tensor) -> torch.Tensor:
-    """The blocking form: to_torch_async(t).get(). Inside torch.compile a graph break: a wait
-    cannot be part of a graph."""
+def _to_host_async(t, device):
+    if _device(device, "to_torch_async").type != "cpu":
+        raise ValueError(
+            f"dtorch_ops.to_torch_async(t, device=...) copies to the host only: pass "
+            f"device='cpu' (or no device, for t itself), got {device!r}")
+    many = isinstance(t, (list, tuple))
+    tensors = list(t) if many else [t]
+    for x in tensors:
+        _check_local_tensor(x, "to_torch_async")
+        if _defines_torch_dispatch(x) and not _is_tracing_tensor(x):
+            raise TypeError(
+                f"dtorch_ops.to_torch_async(t, device='cpu') copies plain tensors, got a "
+                f"{type(x).__name__} (a tensor subclass): copy the tensors it holds, or pass it "
+                "without device= (its future then yields the subclass itself)")
+    if _is_compiling():
+        if _graph is not None:
+            return _graph.to_host_list_async(tensors) if many else _graph.to_host_async(t)
+        # A torch without opaque types: the raw op, a graph break, then it runs eagerly.
+        if many:
+            return TensorListFuture._from_op(_copy_list_to_host_async_op(tensors))
+        return TensorFuture._from_op(_copy_to_host_async_op(t))
+    if many:
+        return TensorListFuture._wrap(_C.copy_list_to_host_async(tensors))
+    return TensorFuture._wrap(_C.copy_to_host_async(t))
+
+
+def to_torch(t, device=None):
+    """The blocking form: to_torch_async(t, device).get(). Inside torch.compile a graph break: a
+    wait cannot be part of a graph."""
     if _is_dynamo_compiling():
-        return _InGraphEagerly.to_torch(t)  # a graph break, then the eager path
-    return to_torch_async(t).get()
+        return _InGraphEagerly.to_torch(t, device)  # a graph break, then the eager path
+    return to_torch_async(t, device).get()
 
 
 class _InGraphEagerly:

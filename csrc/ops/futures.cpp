@@ -273,6 +273,7 @@ std::string Promise<T>::Serialize() const {
 
 template class DTORCH_API Future<at::Tensor>;
 template class DTORCH_API Future<Unit>;
+template class DTORCH_API Future<std::vector<at::Tensor>>;
 template class DTORCH_API Promise<at::Tensor>;
 template class DTORCH_API Promise<Unit>;
 

@@ -1,6 +1,6 @@
 // The per-device kernels of the dtorch::get_tensor* ops (get_tensor_cpu.cpp,
-// get_tensor_device.cpp, get_tensor_async.cpp); the C++ API over them (GetTensor, GetTensorAsync)
-// is declared in <dtorch/dtorch.h>.
+// get_tensor_device.cpp, get_tensor_async.cpp) and of the host copy (copy_to_host.cpp); the C++
+// API over them (GetTensor, GetTensorAsync) is declared in <dtorch/dtorch.h>.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,4 +19,15 @@ c10::intrusive_ptr<TensorFuture> get_tensor_async(const at::Tensor& input);
 void refuse_in_transform_get_tensor(const at::Tensor& input,
                                     const c10::intrusive_ptr<TensorPromise>& promise);
 c10::intrusive_ptr<TensorFuture> refuse_in_transform_get_tensor_async(const at::Tensor& input);
+
+// Every device: a non-blocking copy of each input into pinned host memory on its device's current
+// stream, a future ready once an event after the copies has fired (CPU inputs: as they are).
+c10::intrusive_ptr<TensorFuture> copy_to_host_async(const at::Tensor& input);
+c10::intrusive_ptr<TensorListFuture> copy_list_to_host_async(at::TensorList inputs);
+c10::intrusive_ptr<TensorFuture> refuse_in_transform_copy_to_host_async(const at::Tensor& input);
+c10::intrusive_ptr<TensorListFuture> refuse_in_transform_copy_list_to_host_async(
+    at::TensorList inputs);
+
+// Raises, inside a torch.func transform, naming `op` and what to do instead.
+[[noreturn]] void RefuseInTransform(const char* op);
 }  // namespace dtorch::kernels

@@ -21,15 +21,13 @@ c10::intrusive_ptr<TensorFuture> GetTensorAsync(const at::Tensor& input) {
 
 namespace kernels {
 
-namespace {
-[[noreturn]] void RefuseInTransform(const char* op) {
+void RefuseInTransform(const char* op) {
   TORCH_CHECK(false, "dtorch: ", op, " cannot run inside a torch.func transform (grad, vjp, "
               "jacrev, jvp, vmap, functionalize): its future would hold the transform's internal "
               "tensor, which carries no gradient or batch dimension. Take the value outside the "
               "transform, e.g. return it as an auxiliary output "
               "(torch.func.grad(f, has_aux=True))");
 }
-}  // namespace
 
 void refuse_in_transform_get_tensor(const at::Tensor&, const c10::intrusive_ptr<TensorPromise>&) {
   RefuseInTransform("get_tensor");

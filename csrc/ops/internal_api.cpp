@@ -41,6 +41,10 @@ void NotifyWhenReady(const c10::intrusive_ptr<VoidFuture>& future,
                      const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
   NotifyWhenReadyImpl(future, notifier, token);
 }
+void NotifyWhenReady(const c10::intrusive_ptr<TensorListFuture>& future,
+                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
+  NotifyWhenReadyImpl(future, notifier, token);
+}
 void NotifyWhenReady(const c10::intrusive_ptr<VoidFutureCollect>& future,
                      const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
   NotifyWhenReadyImpl(future, notifier, token);

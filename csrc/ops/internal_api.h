@@ -59,6 +59,9 @@ DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<TensorFuture>&
 DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<VoidFuture>& future,
                                          const c10::intrusive_ptr<ReadyNotifier>& notifier,
                                          int64_t token);
+DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<TensorListFuture>& future,
+                                         const c10::intrusive_ptr<ReadyNotifier>& notifier,
+                                         int64_t token);
 DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<VoidFutureCollect>& future,
                                          const c10::intrusive_ptr<ReadyNotifier>& notifier,
                                          int64_t token);

@@ -120,9 +120,11 @@ c10::intrusive_ptr<C> FromScript(py::handle obj) {
                        ", got " + short_got);
 }
 
-// A future's value as Python sees it: the tensor, or None for a VoidFuture.
+// A future's value as Python sees it: the tensor, None for a VoidFuture, a list of tensors for a
+// TensorListFuture.
 py::object ToPython(at::Tensor value) { return py::cast(std::move(value)); }
 py::object ToPython(Unit) { return py::none(); }
+py::object ToPython(std::vector<at::Tensor> values) { return py::cast(std::move(values)); }
 
 // The value of a future whose wait is over (ready, failed, or taken by another thread meanwhile).
 template <typename T>
@@ -318,6 +320,7 @@ PYBIND11_MODULE(_C, m) {
   BindPromise<at::Tensor>(m);
   BindFuture<Unit>(m);
   BindPromise<Unit>(m);
+  BindFuture<std::vector<at::Tensor>>(m);
 
   py::class_<VoidFutureCollect, c10::intrusive_ptr<VoidFutureCollect>>(m, "VoidFutureCollect")
       .def("get", &Get<VoidFutureCollect>)
@@ -354,6 +357,12 @@ PYBIND11_MODULE(_C, m) {
         GetTensor(input, promise);
       },
       py::arg("input"), py::arg("promise"), py::arg("above_subclass") = false);
+  // The host copy (to_torch_async(t, device="cpu")): plain tensors only (dtorch_ops checks).
+  m.def("copy_to_host_async",
+        [](const at::Tensor& input) { return GetTensorAsync(input, c10::Device(c10::kCPU)); });
+  m.def("copy_list_to_host_async", [](const std::vector<at::Tensor>& inputs) {
+    return GetTensorAsync(inputs, c10::Device(c10::kCPU));
+  });
   m.def("sync_async", [](const DeviceList& devices) { return SyncAsync(devices); });
   m.def("sync_into", [](const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>& promise) {
     SyncInto(devices, promise);
@@ -368,6 +377,9 @@ PYBIND11_MODULE(_C, m) {
         }
         if (handle_cls.is(py::type::of<VoidFuture>())) {
           return InstallWaitMethods<VoidFuture>(cls, with_values);
+        }
+        if (handle_cls.is(py::type::of<TensorListFuture>())) {
+          return InstallWaitMethods<TensorListFuture>(cls, with_values);
         }
         TORCH_INTERNAL_ASSERT(handle_cls.is(py::type::of<VoidFutureCollect>()));
         InstallWaitMethods<VoidFutureCollect>(cls, with_values);

@@ -56,6 +56,23 @@ void Futures() {
   Check(future->Value().is_same(t), "Value() after Get()");
   Check(dtorch::ToTorchAsync(t)->Wait(kWaitMs).is_same(t), "ToTorchAsync");
   Check(dtorch::ToTorch(t).is_same(t), "ToTorch");
+
+  // The host copy: a CPU input is yielded as it is (detached); a device one would be copied.
+  const at::Tensor x = at::full({2}, 3.0);
+  Check(dtorch::GetTensorAsync(x, c10::kCPU)->Wait(kWaitMs).data_ptr() == x.data_ptr(),
+        "GetTensorAsync(t, kCPU) of a CPU tensor");
+  Check(dtorch::ToTorchAsync(x, c10::kCPU)->Get().equal(x), "ToTorchAsync(t, kCPU)");
+  c10::intrusive_ptr<dtorch::TensorListFuture> copies =
+      dtorch::GetTensorAsync(std::vector<at::Tensor>{x, t}, c10::kCPU);
+  const std::vector<at::Tensor> values = copies->Wait(kWaitMs);
+  Check(values.size() == 2 && values[1].equal(t), "GetTensorAsync(tensors, kCPU)");
+  bool refused = false;
+  try {
+    dtorch::GetTensorAsync(x, c10::Device(c10::kMeta));
+  } catch (const c10::ValueError&) {
+    refused = true;
+  }
+  Check(refused, "a host copy to another device is refused");
 }
 
 void Promises() {

@@ -4,7 +4,9 @@
 //
 // Two devices (simdev:0, simdev:1). Memory is host memory. Each stream is a worker thread that runs its queued kernels in order,
 // so a kernel call returns before its work is done, and an event completes only when the worker
-// reaches it. Kernels: empty, copies to/from CPU, fill_, add, mul, views, and ops in the simdev
+// reaches it. Kernels: empty, copies to/from CPU (a non-blocking copy into pinned host memory, as
+// t.to("cpu", non_blocking=True) makes it, stays asynchronous on the stream, as on CUDA; other
+// copies touching host memory wait for their turn), fill_, add, mul, views, and ops in the simdev
 // namespace: sleep(ms) (a kernel that takes ms milliseconds), fail(message) (a kernel that faults,
 // like a device-side error: the stream's later events report it), streams, synchronize, and the
 // live allocation count. Its events can be waited for without spinning: it registers a blocking
@@ -216,6 +218,46 @@ struct SimAllocator final : c10::Allocator {
 SimAllocator allocator;
 REGISTER_ALLOCATOR(kType, &allocator);
 
+// Pinned host memory (the hooks' pinned allocator; torch asks for it when a non-blocking copy to
+// the CPU starts): plain host memory whose ranges are remembered, so that isPinnedPtr and the copy
+// kernel can tell it from pageable memory.
+std::mutex pinned_mu;
+std::map<uintptr_t, size_t> pinned;  // guarded by pinned_mu: start -> size, of live blocks
+
+bool IsPinned(const void* data) {
+  const auto address = reinterpret_cast<uintptr_t>(data);
+  std::lock_guard<std::mutex> lock(pinned_mu);
+  auto after = pinned.upper_bound(address);
+  if (after == pinned.begin()) return false;
+  const auto block = std::prev(after);
+  return address < block->first + std::max<size_t>(block->second, 1);
+}
+
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* data = std::malloc(std::max<size_t>(nbytes, 1));
+    TORCH_CHECK(data, "simdev: out of pinned memory allocating ", nbytes, " bytes");
+    {
+      std::lock_guard<std::mutex> lock(pinned_mu);
+      pinned[reinterpret_cast<uintptr_t>(data)] = nbytes;
+    }
+    return {data, data, &Free, c10::Device(c10::kCPU)};
+  }
+  static void Free(void* data) {
+    {
+      std::lock_guard<std::mutex> lock(pinned_mu);
+      pinned.erase(reinterpret_cast<uintptr_t>(data));
+    }
+    std::free(data);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &Free; }
+  void copy_data(void* dest, const void* src, std::size_t count) const final {
+    default_copy_data(dest, src, count);
+  }
+};
+
+PinnedAllocator pinned_allocator;
+
 // ---- device guard ----
 
 struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
@@ -333,10 +375,13 @@ const bool blocking_wait_registered = [] {
 }();
 
 // Hooks: tell torch (and dtorch's sync(devices=None)) whether this process has used the device.
+// And the pinned host memory of non-blocking copies to the CPU.
 struct SimHooks final : at::PrivateUse1HooksInterface {
   bool hasPrimaryContext(c10::DeviceIndex device) const override {
     return Runtime::Get().StreamCount(device) > 0;
   }
+  bool isPinnedPtr(const void* data) const override { return IsPinned(data); }
+  at::Allocator* getPinnedMemoryAllocator() const override { return &pinned_allocator; }
 };
 
 const bool hooks_registered = [] {
@@ -373,11 +418,15 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 }
 
 // Copies are ordered on the current stream. A copy that touches host memory waits for its turn
-// (like a blocking cudaMemcpy), so the host side is safe to use or free afterwards.
+// (like a blocking cudaMemcpy), so the host side is safe to use or free afterwards; except a
+// non-blocking copy into pinned host memory, which stays queued (like cudaMemcpyAsync): its
+// destination is valid once the stream has passed it (an event recorded after it, a sync).
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   StreamWorker& worker = WorkerFor(dst.is_privateuseone() ? dst : self);
   worker.Enqueue([self, dst] { HostAlias(dst).copy_(HostAlias(self)); });
-  if (!self.is_privateuseone() || !dst.is_privateuseone()) {
+  const bool async_to_pinned = non_blocking && self.is_privateuseone() && dst.is_cpu() &&
+                               IsPinned(dst.storage().data());
+  if (!async_to_pinned && (!self.is_privateuseone() || !dst.is_privateuseone())) {
     worker.Synchronize();
     auto fault = worker.Fault();
     TORCH_CHECK(!fault, "simdev: device-side error: ", *fault);

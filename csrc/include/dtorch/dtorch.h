@@ -62,6 +62,11 @@ struct PairNames<Unit> {
   static constexpr const char* kFuture = "VoidFuture";
   static constexpr const char* kPromise = "VoidPromise";
 };
+template <>
+struct PairNames<std::vector<at::Tensor>> {
+  static constexpr const char* kFuture = "TensorListFuture";
+  static constexpr const char* kPromise = "TensorListPromise";  // (not a class: made by ops only)
+};
 template <typename T>
 class ProducerAccess;  // the library's kernels' access to Promise's claim (not for users)
 }  // namespace detail
@@ -86,7 +91,7 @@ inline const CodedErrorBase* CodeOf(const c10::Error& error) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Futures: the consumer's end (torch.classes.dtorch.TensorFuture / VoidFuture)
+// Futures: the consumer's end (torch.classes.dtorch.TensorFuture / VoidFuture / TensorListFuture)
 
 // Created by Promise::GetFuture() or GetTensorAsync(); one consumer end per promise. Consuming
 // calls (Get, a successful Wait) may succeed once; the others any number of times, concurrently.
@@ -182,9 +187,12 @@ using TensorFuture = Future<at::Tensor>;
 using TensorPromise = Promise<at::Tensor>;
 using VoidFuture = Future<Unit>;
 using VoidPromise = Promise<Unit>;
+// Several tensors that arrive together: the host copies of GetTensorAsync(inputs, kCPU).
+using TensorListFuture = Future<std::vector<at::Tensor>>;
 
 extern template class DTORCH_API Future<at::Tensor>;
 extern template class DTORCH_API Future<Unit>;
+extern template class DTORCH_API Future<std::vector<at::Tensor>>;
 extern template class DTORCH_API Promise<at::Tensor>;
 extern template class DTORCH_API Promise<Unit>;
 
@@ -240,6 +248,24 @@ inline c10::intrusive_ptr<TensorFuture> ToTorchAsync(const at::Tensor& input) {
   return GetTensorAsync(input);
 }
 inline at::Tensor ToTorch(const at::Tensor& input) { return GetTensorAsync(input)->Get(); }
+
+// The host copy (the ops dtorch::copy_to_host_async / copy_list_to_host_async): what a training
+// loop wants of a loss, without the stall of .item(). `device` must be the CPU (c10::kCPU; other
+// targets: c10::ValueError). Returns at once a future of a CPU copy of `input`: a non-blocking
+// copy into pinned host memory (torch's cached pinned allocator, as t.to("cpu", non_blocking=True)
+// makes it) queued on the current stream of input's device, and the future is ready when an event
+// recorded after it has completed (no device sync; other streams are not waited for). A CPU input
+// is yielded as it is (no copy). The values are detached from autograd.
+DTORCH_API c10::intrusive_ptr<TensorFuture> GetTensorAsync(const at::Tensor& input,
+                                                           c10::Device device);
+// The same for several tensors (a loss, a metric, a learning rate): one event per device after its
+// copies, one future yielding the copies in order.
+DTORCH_API c10::intrusive_ptr<TensorListFuture> GetTensorAsync(
+    const std::vector<at::Tensor>& inputs, c10::Device device);
+inline c10::intrusive_ptr<TensorFuture> ToTorchAsync(const at::Tensor& input,
+                                                     c10::Device device) {
+  return GetTensorAsync(input, device);
+}
 
 // The promise kind for a pair whose promise a worker fulfils with `tensor`: "memory" for a CPU
 // tensor, or for any tensor unless per_device_per_process; "file" for a device tensor when each
