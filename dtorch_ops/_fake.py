@@ -145,9 +145,11 @@ def _copy_to_host_async_fake(input):
 def _copy_list_to_host_async_fake(inputs):
     for input in inputs:
         require_fake_mode("copy_list_to_host_async", input)
-    # A future of no copies (nothing is copied while tracing).
-    with _disable_current_modes():
-        return torch.ops.dtorch.copy_list_to_host_async.default([])
+    from . import _C
+
+    return _C.failed_tensor_list_future(
+        "this TensorListFuture came from dtorch::copy_list_to_host_async's fake kernel "
+        "(tracing) and holds no value").script()
 
 
 @torch.library.register_fake("dtorch::sync")

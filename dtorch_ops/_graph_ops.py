@@ -252,10 +252,10 @@ def define(tensor_future_cls, list_future_cls, collect_cls, tensor_promise_cls, 
     def to_host_list_async_fake(inputs):
         for input in inputs:
             require_fake_mode("to_host_list_async", input)
-        # (An empty list of copies, never read: every member of the placeholder breaks the graph
-        # or raises before reaching it.)
         with unset_fake_temporarily():
-            return placeholder_list_future_cls._wrap(c_copy_list_to_host_async([]))
+            return placeholder_list_future_cls._wrap(c_module.failed_tensor_list_future(
+                "this future is dtorch::to_host_list_async's placeholder made while tracing; it "
+                "holds no value"))
 
     def sync_async_fake(devices=None):
         with unset_fake_temporarily():

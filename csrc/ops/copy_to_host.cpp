@@ -18,6 +18,18 @@ namespace dtorch {
 namespace kernels {
 namespace {
 
+// Tensors whose memory a copy may still be reading, or that belong to a runtime being torn down
+// (exit) or to the parent process (fork): kept for good rather than freed (freeing them could
+// hand a block to new work while a copy still reads it, or run the allocator of a dead runtime).
+// As the detectors leak a dropped completion (core/completion_detectors.h).
+void Abandon(std::vector<at::Tensor> tensors) {
+  if (!tensors.empty()) new std::vector<at::Tensor>(std::move(tensors));
+}
+
+bool Dropped(core::FutureErrc code) {
+  return code == core::FutureErrc::kDroppedAtExit || code == core::FutureErrc::kDroppedAtFork;
+}
+
 // What the copies of one call need until the event of the last device has fired: the sources
 // (alive while their copies may still read them), the copies and the promise.
 template <typename T>
@@ -28,20 +40,27 @@ struct PendingCopies {
   std::atomic<size_t> devices_left{0};
   std::mutex mu;
   std::optional<core::FutureError> first_error;  // guarded by mu
+  bool abandon = false;                          // guarded by mu: see Abandon
 
-  void Fail(core::FutureError error) {
+  // `in_flight`: copies may still be running (no event will say when they are done).
+  void Fail(core::FutureError error, bool in_flight) {
     std::lock_guard<std::mutex> lock(mu);
+    abandon = abandon || in_flight || Dropped(error.code());
     if (!first_error) first_error = std::move(error);
   }
   // One device's copies have landed (or failed); the last one completes the promise.
   void DeviceDone(T (*pack)(std::vector<at::Tensor>)) noexcept {
     if (devices_left.fetch_sub(1) != 1) return;
-    sources.clear();
     std::optional<core::FutureError> error;
     {
       std::lock_guard<std::mutex> lock(mu);
       error = first_error;
+      if (abandon) {
+        Abandon(std::move(sources));
+        Abandon(std::move(copies));
+      }
     }
+    sources.clear();
     try {
       promise.Complete(error ? core::Result<T>::Error(error->code(), error->detail())
                              : core::Result<T>::Value(pack(std::move(copies))));
@@ -51,6 +70,32 @@ struct PendingCopies {
   }
 };
 
+// Queues a non-blocking copy of each device input (pending.sources: the detached inputs) and
+// records its device in `devices`; pending.copies gets one CPU tensor per input.
+template <typename T>
+void QueueCopies(const char* op, const std::vector<at::Tensor>& inputs, PendingCopies<T>& pending,
+                 std::vector<c10::Device>& devices) {
+  pending.copies.reserve(inputs.size());
+  for (const auto& input : inputs) {
+    TORCH_CHECK_TYPE(input.defined(), "dtorch: ", op, " needs tensors, got an undefined one");
+    // Detached: the copy is a value to log, not part of the autograd graph.
+    at::Tensor value = input.detach();
+    if (value.device().is_cpu()) {
+      pending.copies.push_back(std::move(value));  // host memory already: no copy
+      continue;
+    }
+    // Non-blocking from an accelerator: torch pins the destination (CUDA's caching host
+    // allocator, a PrivateUse1 backend's pinned allocator) and queues the copy on the current
+    // stream of the input's device.
+    pending.copies.push_back(value.to(c10::Device(c10::kCPU), value.scalar_type(),
+                                      /*non_blocking=*/true, /*copy=*/false));
+    pending.sources.push_back(std::move(value));
+    if (std::find(devices.begin(), devices.end(), input.device()) == devices.end()) {
+      devices.push_back(input.device());
+    }
+  }
+}
+
 template <typename T>
 c10::intrusive_ptr<Future<T>> CopyToHost(const char* op, const std::vector<at::Tensor>& inputs,
                                          T (*pack)(std::vector<at::Tensor>)) {
@@ -58,31 +103,20 @@ c10::intrusive_ptr<Future<T>> CopyToHost(const char* op, const std::vector<at::T
   auto future = c10::make_intrusive<Future<T>>(pending->promise.GetFuture(),
                                                pending->promise.Kind());
   std::vector<c10::Device> devices;  // of the device inputs, each once, in order
-  pending->copies.reserve(inputs.size());
-  for (const auto& input : inputs) {
-    TORCH_CHECK_TYPE(input.defined(), "dtorch: ", op, " needs tensors, got an undefined one");
-    // Detached: the copy is a value to log, not part of the autograd graph.
-    at::Tensor value = input.detach();
-    if (value.device().is_cpu()) {
-      pending->copies.push_back(std::move(value));  // host memory already: no copy
-      continue;
-    }
-    // Non-blocking from an accelerator: torch pins the destination (CUDA's caching host
-    // allocator, a PrivateUse1 backend's pinned allocator) and queues the copy on the current
-    // stream of the input's device.
-    pending->copies.push_back(value.to(c10::Device(c10::kCPU), value.scalar_type(),
-                                       /*non_blocking=*/true, /*copy=*/false));
-    pending->sources.push_back(std::move(value));
-    if (std::find(devices.begin(), devices.end(), input.device()) == devices.end()) {
-      devices.push_back(input.device());
-    }
+  try {
+    QueueCopies(op, inputs, *pending, devices);
+  } catch (...) {
+    // The copies queued so far may still read their sources and write their destinations.
+    Abandon(std::move(pending->sources));
+    Abandon(std::move(pending->copies));
+    throw;
   }
   pending->devices_left = devices.size() + 1;  // + 1: this call, until every event is recorded
   for (size_t i = 0; i < devices.size(); ++i) {
     try {
       AfterCurrentStreamWork(devices[i], [pending, pack](
                                              const std::optional<core::FutureError>& error) {
-        if (error) pending->Fail(*error);
+        if (error) pending->Fail(*error, /*in_flight=*/false);
         pending->DeviceDone(pack);
       });
     } catch (...) {
@@ -90,7 +124,8 @@ c10::intrusive_ptr<Future<T>> CopyToHost(const char* op, const std::vector<at::T
       // watch it): fail the value, so that no waiter hangs, and raise.
       pending->Fail(core::FutureError(core::FutureErrc::kProducerError,
                                       std::string(op) + " could not wait for " +
-                                          devices[i].str() + ": " + CurrentExceptionMessage()));
+                                          devices[i].str() + ": " + CurrentExceptionMessage()),
+                    /*in_flight=*/true);
       for (size_t j = i; j <= devices.size(); ++j) pending->DeviceDone(pack);
       throw;
     }

@@ -9,6 +9,7 @@
 #include "../core/fork_generation.h"
 #include "../core/kind_registry.h"
 #include "../core/payload_pool.h"
+#include "../core/promise_future.h"
 #include "../core/ready_notifier.h"
 
 namespace dtorch {
@@ -51,6 +52,13 @@ void NotifyWhenReady(const c10::intrusive_ptr<VoidFutureCollect>& future,
 }
 
 namespace internal {
+
+c10::intrusive_ptr<TensorListFuture> FailedTensorListFuture(const std::string& message) {
+  core::MemoryPromise<std::vector<at::Tensor>> promise;
+  auto future = c10::make_intrusive<TensorListFuture>(promise.GetFuture(), promise.Kind());
+  promise.SetError(core::FutureErrc::kProducerError, message);
+  return future;
+}
 
 uint64_t ForkGeneration() { return core::ForkGeneration(); }
 

@@ -68,6 +68,11 @@ DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<VoidFutureColl
 
 namespace internal {
 
+// ---- Tracing: a future that fails with `message` (what fake kernels return for a list of host
+// copies, so that reading a traced stand-in raises instead of yielding no tensors).
+DTORCH_INTERNAL_API c10::intrusive_ptr<TensorListFuture> FailedTensorListFuture(
+    const std::string& message);
+
 // ---- Threads, fork and exit (core/library_threads.h, core/completion_pool.h).
 DTORCH_INTERNAL_API uint64_t ForkGeneration();
 // Runs `work` on the pool, one at a time and in posting order (one strand, made again in a fork

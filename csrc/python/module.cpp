@@ -363,6 +363,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("copy_list_to_host_async", [](const std::vector<at::Tensor>& inputs) {
     return GetTensorAsync(inputs, c10::Device(c10::kCPU));
   });
+  m.def("failed_tensor_list_future", &internal::FailedTensorListFuture);  // for fake kernels
   m.def("sync_async", [](const DeviceList& devices) { return SyncAsync(devices); });
   m.def("sync_into", [](const DeviceList& devices, const c10::intrusive_ptr<VoidPromise>& promise) {
     SyncInto(devices, promise);

@@ -20,6 +20,7 @@ def _sleep_ms(ms):
 @CUDA
 def test_returns_at_once_behind_queued_kernels_then_lands():
     x = torch.randn(1024, device="cuda")
+    dtorch_ops.to_torch_async(x, device="cpu").wait(WAIT_MS)  # the first pinned block, a detector
     torch.cuda.synchronize()
     _sleep_ms(100)
     loss = (x * 2).sum()
@@ -44,7 +45,9 @@ def test_pinned_blocks_are_reused_not_allocated_per_call():
         value = dtorch_ops.to_torch_async(x, device="cpu").wait(WAIT_MS)
         pointers.add(value.data_ptr())
         del value
-    assert len(pointers) <= 4, f"{len(pointers)} distinct pinned blocks for 50 copies"
+    # (A few: a block returns to the cache once its future's completion is dropped, which may be
+    # just after wait() returns.)
+    assert len(pointers) <= 8, f"{len(pointers)} distinct pinned blocks for 50 copies"
 
 
 @CUDA

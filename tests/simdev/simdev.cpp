@@ -15,6 +15,8 @@
 // chain (kernel -> relay thread -> caller, two condition-variable hops).
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/ops/as_strided_cpu_dispatch.h>
 #include <ATen/ops/view_native.h>
@@ -224,13 +226,21 @@ REGISTER_ALLOCATOR(kType, &allocator);
 std::mutex pinned_mu;
 std::map<uintptr_t, size_t> pinned;  // guarded by pinned_mu: start -> size, of live blocks
 
-bool IsPinned(const void* data) {
+bool IsPinnedHere(const void* data) {
   const auto address = reinterpret_cast<uintptr_t>(data);
   std::lock_guard<std::mutex> lock(pinned_mu);
   auto after = pinned.upper_bound(address);
   if (after == pinned.begin()) return false;
   const auto block = std::prev(after);
   return address < block->first + std::max<size_t>(block->second, 1);
+}
+
+// Pinned by us, or by CUDA: where CUDA is present torch takes its pinned memory from CUDA's host
+// allocator (it asks CUDA first), and asks us (the registered accelerator) whether a pointer is
+// pinned.
+bool IsPinned(const void* data) {
+  return IsPinnedHere(data) ||
+         (at::globalContext().hasCUDA() && at::detail::getCUDAHooks().isPinnedPtr(data));
 }
 
 struct PinnedAllocator final : c10::Allocator {
