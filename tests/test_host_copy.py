@@ -157,6 +157,8 @@ def test_bad_input_gets_clear_errors():
         torch.func.vmap(lambda t: torch.ops.dtorch.copy_to_host_async(t).get())(torch.ones(2, 2))
     with pytest.raises(RuntimeError, match="torch.func transform"):
         torch.func.grad(lambda t: torch.ops.dtorch.copy_list_to_host_async([t]).get()[0].sum())(x)
+    with pytest.raises(TypeError, match="a list of tensors is for the host copy"):
+        dtorch_ops.to_torch_async([x])
     # An empty list: nothing to copy, a ready future of [].
     assert dtorch_ops.to_torch_async([], device="cpu").get() == []
 
