@@ -848,7 +848,7 @@ def to_torch_async(t, device=None):
 
 
 def _to_host_async(t, device):
-    if _device(device, "to_torch_async").type != "cpu":
+    if device != "cpu" and _device(device, "to_torch_async").type != "cpu":
         raise ValueError(
             f"dtorch_ops.to_torch_async(t, device=...) copies to the host only: pass "
             f"device='cpu' (or no device, for t itself), got {device!r}")
