@@ -824,8 +824,9 @@ def to_torch_async(t, device=None):
         return _to_host_async(t, device)
     if isinstance(t, (list, tuple)):
         raise TypeError(
-            "dtorch_ops.to_torch_async takes one tensor; a list of tensors is for the host copy: "
-            "to_torch_async([...], device='cpu') gives one TensorListFuture")
+            f"dtorch_ops.to_torch_async expects a torch.Tensor, got {type(t).__name__}: a list of "
+            "tensors is for the host copy, to_torch_async([...], device='cpu'), which gives one "
+            "TensorListFuture")
     if _is_compiling():
         _check_local_tensor(t, "to_torch_async")
         if not (_defines_torch_dispatch(t) and not _is_tracing_tensor(t)):
