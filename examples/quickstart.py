@@ -30,6 +30,11 @@ def main() -> None:
     print(f"[{device}] to_torch_async returned in {t_issue * 1e6:.1f} us; "
           f"value ready after {t_value * 1e3:.2f} ms; aliases y: {value.data_ptr() == y.data_ptr()}")
 
+    # The host copy: CPU copies of a loss and a metric, ready once they have landed (what a
+    # training loop logs each step instead of calling .item(), which waits for the device).
+    loss, metric = dtorch_ops.to_torch_async([y.sum(), y.mean()], device="cpu").wait(10_000)
+    print(f"host copies on {loss.device}: loss {loss.item():.1f}, metric {metric.item():.3f}")
+
     # A producer thread fulfils a promise; the consumer blocks without holding the GIL.
     promise = dtorch_ops.TensorPromise()
     future = promise.get_future()

@@ -24,4 +24,5 @@ def test_demo_short():
 def test_quickstart():
     out = _run_example("examples/quickstart.py")
     assert "aliases y: True" in out and "broken promise" in out and "scripted: [0.0, 2.0, 4.0]" in out
+    assert "host copies on cpu: loss" in out
     assert "value from another process: [4.0, 4.0, 4.0, 4.0]" in out

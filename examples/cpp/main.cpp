@@ -84,6 +84,17 @@ void TimeoutKeepsFutureValid() {
   Check(future->Wait(kWaitMs).is_same(t), "waiting again yields the value");
 }
 
+// (c2) The host copy: a CPU copy of each tensor, ready once it has landed (a CPU tensor, as
+// here, is yielded as it is; a device one is copied without blocking, on its current stream).
+void HostCopy() {
+  at::Tensor loss = torch::full({}, 0.25);
+  auto copies = dtorch::GetTensorAsync(std::vector<at::Tensor>{loss, loss * 2}, c10::kCPU);
+  const std::vector<at::Tensor> values = copies->Wait(kWaitMs);
+  Check(values.size() == 2 && values[1].item<float>() == 0.5f, "the host copies' values");
+  Check(dtorch::ToTorchAsync(loss, c10::kCPU)->Get().data_ptr() == loss.data_ptr(),
+        "a CPU tensor's host copy is the tensor itself (detached)");
+}
+
 // (d) A promise dropped without a value breaks its future.
 void DroppedPromiseBreaks() {
   auto promise = c10::make_intrusive<dtorch::TensorPromise>("memory");
@@ -151,6 +162,7 @@ int main(int argc, char** argv) {
     FutureAliasesInput();
     PromiseFromThread();
     TimeoutKeepsFutureValid();
+    HostCopy();
     DroppedPromiseBreaks();
     SyncDevices();
     FilePromiseAcrossProcesses();
