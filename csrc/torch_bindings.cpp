@@ -40,13 +40,6 @@ int64_t NoLength(const c10::intrusive_ptr<C>&) {
   TORCH_CHECK_TYPE(false, "dtorch: a ", C::kClassName, " has no len()");
 }
 
-// notify_when_ready(notifier, token): one method for every waitable class.
-template <typename C>
-void NotifyWhenReady(const c10::intrusive_ptr<C>& self,
-                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
-  dtorch::NotifyWhenReady(self, notifier, token);
-}
-
 // __obj_flatten__ for torch.compile/export: constant per kind, so compiled code guards on the kind
 // only and does not recompile for each new promise or future.
 template <typename C>
@@ -102,7 +95,7 @@ void DefineFuture(torch::Library& m) {
       .def("valid", &F::Valid)
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
       // Posts `token` to the notifier once ready (how asyncio awaits it). Does not consume.
-      .def("notify_when_ready", &NotifyWhenReady<F>);
+      .def("notify_when_ready", &dtorch::NotifyWhenReady<F>);
   NotPicklable(HandleBasics(cls));
 }
 
@@ -163,7 +156,7 @@ TORCH_LIBRARY(dtorch, m) {
       .def("valid", &VoidFutureCollect::Valid)
       .def("devices",
            [](const c10::intrusive_ptr<VoidFutureCollect>& self) { return self->Devices(); })
-      .def("notify_when_ready", &NotifyWhenReady<VoidFutureCollect>);
+      .def("notify_when_ready", &dtorch::NotifyWhenReady<VoidFutureCollect>);
   NotPicklable(HandleBasics(collect));
 
   // Fulfils `promise` with `input` once the work producing `input` on its current stream is done

@@ -19,36 +19,16 @@ ReadyNotifier::~ReadyNotifier() = default;
 int64_t ReadyNotifier::FileNo() const { return core_->fd(); }
 std::vector<int64_t> ReadyNotifier::Drain() { return core_->Drain(); }
 
-namespace {
-template <typename Waitable>
-void NotifyWhenReadyImpl(const c10::intrusive_ptr<Waitable>& waitable,
-                         const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
+std::function<void()> ReadyPoster(const c10::intrusive_ptr<ReadyNotifier>& notifier,
+                                  int64_t token) {
   TORCH_CHECK(notifier, "dtorch: notify_when_ready needs a ReadyNotifier, got None");
   // An event loop belongs to the process that registered it: a value failed in a fork child does
   // not post to the parent's loop (the eventfd is shared between them).
-  waitable->OnReady([weak = std::weak_ptr<core::ReadyNotifier>(notifier->core()), token,
-                     generation = core::ForkGeneration()] {
+  return [weak = std::weak_ptr<core::ReadyNotifier>(notifier->core()), token,
+          generation = core::ForkGeneration()] {
     if (generation != core::ForkGeneration()) return;
     if (const auto core = weak.lock()) core->Post(token);
-  });
-}
-}  // namespace
-
-void NotifyWhenReady(const c10::intrusive_ptr<TensorFuture>& future,
-                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
-  NotifyWhenReadyImpl(future, notifier, token);
-}
-void NotifyWhenReady(const c10::intrusive_ptr<VoidFuture>& future,
-                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
-  NotifyWhenReadyImpl(future, notifier, token);
-}
-void NotifyWhenReady(const c10::intrusive_ptr<TensorListFuture>& future,
-                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
-  NotifyWhenReadyImpl(future, notifier, token);
-}
-void NotifyWhenReady(const c10::intrusive_ptr<VoidFutureCollect>& future,
-                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
-  NotifyWhenReadyImpl(future, notifier, token);
+  };
 }
 
 namespace internal {

@@ -49,22 +49,19 @@ class DTORCH_INTERNAL_API ReadyNotifier : public torch::CustomClassHolder {
   const std::shared_ptr<core::ReadyNotifier> core_;
 };
 
-// Posts `token` to `notifier` once the future is ready, at once if it is: how an event loop
-// awaits it. Never consumes. The pending callback holds the notifier weakly: a notifier dropped
+// The callback that posts `token` to `notifier`. It holds the notifier weakly: a notifier dropped
 // with its event loop closes its eventfd at once, and a late completion posts nothing; nor does a
 // completion in a fork child of the process that registered it.
-DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<TensorFuture>& future,
-                                         const c10::intrusive_ptr<ReadyNotifier>& notifier,
-                                         int64_t token);
-DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<VoidFuture>& future,
-                                         const c10::intrusive_ptr<ReadyNotifier>& notifier,
-                                         int64_t token);
-DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<TensorListFuture>& future,
-                                         const c10::intrusive_ptr<ReadyNotifier>& notifier,
-                                         int64_t token);
-DTORCH_INTERNAL_API void NotifyWhenReady(const c10::intrusive_ptr<VoidFutureCollect>& future,
-                                         const c10::intrusive_ptr<ReadyNotifier>& notifier,
-                                         int64_t token);
+DTORCH_INTERNAL_API std::function<void()> ReadyPoster(
+    const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token);
+
+// Posts `token` to `notifier` once `waitable` (any future class, a VoidFutureCollect) is ready, at
+// once if it is: how an event loop awaits it. Never consumes.
+template <typename Waitable>
+void NotifyWhenReady(const c10::intrusive_ptr<Waitable>& waitable,
+                     const c10::intrusive_ptr<ReadyNotifier>& notifier, int64_t token) {
+  waitable->OnReady(ReadyPoster(notifier, token));
+}
 
 namespace internal {
 

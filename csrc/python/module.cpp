@@ -217,13 +217,6 @@ void InstallWaitMethods(py::object cls, bool with_values) {
           py::arg("timeout_ms"));
 }
 
-// notify_when_ready(notifier, token) of a waitable class W (internal_api.h's overloads).
-template <typename W>
-auto NotifyWhenReadyOf() {
-  return [](const c10::intrusive_ptr<W>& self, const c10::intrusive_ptr<ReadyNotifier>& notifier,
-            int64_t token) { NotifyWhenReady(self, notifier, token); };
-}
-
 template <typename T>
 void BindFuture(py::module_& m) {
   using F = Future<T>;
@@ -234,7 +227,7 @@ void BindFuture(py::module_& m) {
       .def("is_ready", &F::IsReady)
       .def("valid", &F::Valid)
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
-      .def("notify_when_ready", NotifyWhenReadyOf<F>())
+      .def("notify_when_ready", &NotifyWhenReady<F>)
       .def("script", &ToScript<F>)
       .def_static("from_script", &FromScript<F>);
 }
@@ -330,7 +323,7 @@ PYBIND11_MODULE(_C, m) {
       .def("is_ready", &VoidFutureCollect::IsReady)
       .def("valid", &VoidFutureCollect::Valid)
       .def("devices", &VoidFutureCollect::Devices)
-      .def("notify_when_ready", NotifyWhenReadyOf<VoidFutureCollect>())
+      .def("notify_when_ready", &NotifyWhenReady<VoidFutureCollect>)
       .def("script", &ToScript<VoidFutureCollect>)
       .def_static("from_script", &FromScript<VoidFutureCollect>);
 
