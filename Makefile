@@ -11,8 +11,12 @@ deps:
 build: deps
 	bash scripts/build.sh
 
+# The suite, then the GPU checks' --simdev mode (tests/gpu and a quick benchmark on the simulated
+# device; about 25 s), its results in a temporary folder, kept when it fails.
 test: build
 	$(PYTHON) -m pytest tests
+	out=$$(mktemp -d /tmp/dtorch-device-check.XXXXXX) && \
+	  OUT=$$out bash scripts/device_check.sh --simdev && rm -rf "$$out"
 
 demo: build
 	$(PYTHON) examples/demo.py

@@ -11,12 +11,20 @@ and, next to them, the C++ package of the library:
 All of it lands in the package directory of the build: the checkout's dtorch_ops/ for an editable
 install, the wheel's for a wheel or a `pip install .`.
 
+The CUDA-only sources (csrc/cuda/: blocking-sync events, the graph-capture check, CUDA IPC) are
+compiled into libdtorch_ops.so when the torch built against has CUDA and a CUDA toolkit of the same
+major version is found (torch.utils.cpp_extension.CUDA_HOME: $CUDA_HOME, nvcc on the PATH, or
+/usr/local/cuda); otherwise they are left out and the library is the same as on a CPU-only torch.
+DTORCH_WITH_CUDA=0 leaves them out; DTORCH_WITH_CUDA=1 makes a missing piece an error.
+
 Build with `pip install --no-build-isolation -e .` against the torch already installed (torch is
 deliberately not a build requirement: pip would pick a multi-GB CUDA build by itself).
 """
 import glob
 import os
+import re
 import shutil
+import sys
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -33,6 +41,43 @@ CXX_FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=h
 BOOST_INCLUDE = [os.environ["DTORCH_BOOST_INCLUDE"]] if os.environ.get("DTORCH_BOOST_INCLUDE") else []
 # The public headers (<dtorch/dtorch.h>), which the library's own sources include as users do.
 PUBLIC_INCLUDE = os.path.join(HERE, "csrc", "include")
+
+
+def _cuda_home():
+    """The CUDA toolkit to compile csrc/cuda/ with, or None to leave it out (see the docstring)."""
+    setting = os.environ.get("DTORCH_WITH_CUDA", "")
+    if setting not in ("", "0", "1"):
+        sys.exit(f"DTORCH_WITH_CUDA must be 0 or 1, got {setting!r}")
+    if setting == "0":
+        return None
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    problem = None
+    header = os.path.join(CUDA_HOME or "", "include", "cuda_runtime_api.h")
+    if not torch.version.cuda:
+        problem = f"torch {torch.__version__} is built without CUDA"
+    elif CUDA_HOME is None or not os.path.isfile(header):
+        problem = ("no CUDA toolkit was found (set CUDA_HOME to a CUDA "
+                   f"{torch.version.cuda.split('.')[0]}.x toolkit)")
+    else:
+        # The sources call the CUDA runtime torch loads: its headers must be of that major version.
+        with open(header) as f:
+            found = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", f.read())
+        toolkit_major = int(found.group(1)) // 1000 if found else None
+        torch_major = int(torch.version.cuda.split(".")[0])
+        if toolkit_major != torch_major:
+            problem = (f"the CUDA toolkit at {CUDA_HOME} is CUDA {toolkit_major}, torch's is "
+                       f"{torch.version.cuda} (set CUDA_HOME to a CUDA {torch_major}.x toolkit)")
+    if problem is None:
+        return CUDA_HOME
+    if setting == "1":
+        sys.exit(f"DTORCH_WITH_CUDA=1, but {problem}")
+    if torch.version.cuda:
+        print(f"dtorch_ops: building without its CUDA sources: {problem}. CUDA tensors are then "
+              "waited for by polling, and travel between processes through host memory.",
+              file=sys.stderr)
+    return None
 
 
 def _sources(*patterns):
@@ -88,13 +133,28 @@ def _without_libtorch_python(ext):
     return ext
 
 
+CUDA_HOME = _cuda_home()
+LIB_SOURCES = _sources("core/*.cc", "ops/*.cpp", "*.cpp")
+LIB_INCLUDE = [PUBLIC_INCLUDE, *BOOST_INCLUDE]
+LIB_LIBRARIES = []
+if CUDA_HOME is not None:
+    # Plain C++ (no kernels): the runtime's headers, and torch's c10_cuda (its caching allocator,
+    # streams, error checks). libcudart is not linked directly: c10_cuda brings the one torch
+    # loads, whose symbols the library's then resolve to, so that no second search for
+    # libcudart.so can fail or find another copy (a libtorch C++ program's run path, say).
+    LIB_SOURCES += _sources("cuda/*.cpp")
+    LIB_INCLUDE.append(os.path.join(CUDA_HOME, "include"))
+    LIB_LIBRARIES.append("c10_cuda")
+
+
 setup(
     ext_modules=[
         _without_libtorch_python(
             CppExtension(
                 LIB_EXT_NAME,
-                sources=_sources("core/*.cc", "ops/*.cpp", "*.cpp"),
-                include_dirs=[PUBLIC_INCLUDE, *BOOST_INCLUDE],
+                sources=LIB_SOURCES,
+                include_dirs=LIB_INCLUDE,
+                libraries=LIB_LIBRARIES,
                 extra_compile_args={"cxx": CXX_FLAGS},
                 # A SONAME, so that CMake links the library by its path (dtorch_ops::dtorch_ops), not
                 # as -ldtorch_ops found on the search path; the version script limits the exports.

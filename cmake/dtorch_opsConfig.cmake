@@ -27,6 +27,13 @@ if(NOT TARGET torch)
 endif()
 
 if(NOT TARGET dtorch_ops::dtorch_ops)
+  # A CUDA build of torch: the library (built with its CUDA sources) needs libc10_cuda.so, which
+  # the program then loads itself, found through its run path (the library has none of its own).
+  set(_dtorch_ops_link "-Wl,--no-as-needed" "${dtorch_ops_LIBRARY}")
+  if(TARGET c10_cuda)
+    list(APPEND _dtorch_ops_link "$<TARGET_FILE:c10_cuda>")
+  endif()
+  list(APPEND _dtorch_ops_link "-Wl,--as-needed" torch)
   add_library(dtorch_ops::dtorch_ops INTERFACE IMPORTED)
   set_target_properties(dtorch_ops::dtorch_ops PROPERTIES
     INTERFACE_INCLUDE_DIRECTORIES "${dtorch_ops_INCLUDE_DIRS}"
@@ -35,10 +42,11 @@ if(NOT TARGET dtorch_ops::dtorch_ops)
     # torch::jit::load needs for a module that uses them. CMake puts the library's directory in
     # the run path of the programs it builds; `cmake --install` drops it unless the project sets
     # INSTALL_RPATH (or CMAKE_INSTALL_RPATH_USE_LINK_PATH).
-    INTERFACE_LINK_LIBRARIES "-Wl,--no-as-needed;${dtorch_ops_LIBRARY};-Wl,--as-needed;torch"
+    INTERFACE_LINK_LIBRARIES "${_dtorch_ops_link}"
     # torch 2.13's headers need C++20 (its imported target does not pass that on).
     INTERFACE_COMPILE_FEATURES cxx_std_20)
 endif()
 set(dtorch_ops_LIBRARIES dtorch_ops::dtorch_ops)
 unset(_dtorch_ops_file)
+unset(_dtorch_ops_link)
 unset(_dtorch_ops_package)

@@ -588,6 +588,36 @@ _PROMISE_CREATION = ("a graph cannot create a promise. To compile the whole step
                      "dtorch_ops.to_torch_async(t), which compiles and returns the future")
 
 
+def _kind_spec(name: str, kind: str, options: dict) -> str:
+    """A promise kind with its options in the one string TorchScript and C++ take
+    ("file://device=cpu"). TensorPromise(kind="file") takes device="cpu" (the consumer receives
+    CPU tensors) and zero_copy=True (a CUDA value arrives as the IPC view of the producer's memory,
+    not copied)."""
+    if not options:
+        return kind
+    if name != "TensorPromise" or kind != "file":
+        raise TypeError(f"dtorch_ops.{name}(kind={kind!r}) got options {sorted(options)} that "
+                        f"this kind does not take")
+    unknown = sorted(set(options) - {"device", "zero_copy"})
+    if unknown:
+        raise TypeError(f"dtorch_ops.TensorPromise(kind='file') takes the options device= and "
+                        f"zero_copy=, got {unknown}")
+    device, zero_copy = options.get("device"), options.get("zero_copy", False)
+    if not isinstance(zero_copy, bool):
+        raise TypeError(f"zero_copy must be a bool, got {zero_copy!r}")
+    if device is not None and torch.device(device) != torch.device("cpu"):
+        raise ValueError(
+            f"TensorPromise(kind='file', device=...) takes device='cpu' (the consumer then "
+            f"receives CPU tensors), got {device!r}; without device=, a device tensor arrives on "
+            f"the same device when this process has it")
+    if device is not None and zero_copy:
+        raise ValueError("TensorPromise(kind='file'): zero_copy=True shares device memory, "
+                         "device='cpu' asks for CPU tensors: pass one of them")
+    if device is not None:
+        return "file://device=cpu"
+    return "file://zero_copy" if zero_copy else "file"
+
+
 def _refuse_promise_in_graph(name: str) -> None:
     """Called where is_compiling() by a promise's constructor: breaks the graph under Dynamo,
     refuses under export's non-strict tracing, which runs it for real with fake values, and
@@ -630,7 +660,8 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
     def __init__(self, kind: str = "memory", **options):
         """kind: "memory" (the pair lives in this process) or "file" (the promise can be sent to
         other processes of this host: pickle it, put it in a torch.multiprocessing queue, or
-        pass serialize()'s string). Options of a kind are keyword arguments (none yet)."""
+        pass serialize()'s string). Options of a kind are keyword arguments
+        (TensorPromise(kind="file") takes device="cpu" and zero_copy=True)."""
         if _is_compiling():
             _refuse_promise_in_graph(type(self).__name__)
         if isinstance(kind, torch.ScriptObject):  # wrap an existing raw promise
@@ -646,11 +677,7 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
             return
         if not isinstance(kind, str):
             raise TypeError(f"kind must be a str ('memory', 'file', 'network'), got {kind!r}")
-        if options:
-            raise TypeError(
-                f"dtorch_ops.{type(self).__name__}(kind={kind!r}) got options "
-                f"{sorted(options)} that this kind does not take")
-        self._init_handle(self._HANDLE(kind))
+        self._init_handle(self._HANDLE(_kind_spec(type(self).__name__, kind, options)))
 
     def _init_handle(self, handle):
         self._h = handle
@@ -713,8 +740,11 @@ class TensorPromise(_PromiseBase):
 
     ``kind="memory"`` pairs live in one process; the future yields the tensor itself.
     ``kind="file"`` promises travel to other processes of this host (pickle, queues, Process
-    arguments, serialize()); the value is copied into shared memory when it is set and the future
-    yields a view of that copy. Destroying a promise without setting it makes its future fail with
+    arguments, serialize()); a CPU value is copied into shared memory when it is set and the
+    future yields a view of that copy. A device value is snapshotted on its stream when it is set
+    and published once that copy is done: the consumer receives it on the same device (CUDA: a
+    copy in its own memory, through CUDA IPC; ``zero_copy=True``: the IPC view itself), or on the
+    CPU with ``device="cpu"`` or where it lacks that device (README, "Device tensors"). Destroying a promise without setting it makes its future fail with
     "broken promise" (across processes: see the README). Thread-safe.
     """
 
@@ -728,8 +758,9 @@ class TensorPromise(_PromiseBase):
         return cls(promise_kind_for(t, per_device_per_process))
 
     def set_value(self, t: torch.Tensor) -> None:
-        """Fulfils the promise with t (memory: no copy; file: copied now). A second set raises
-        PromiseAlreadySatisfiedError; the first value stays."""
+        """Fulfils the promise with t (memory: no copy; file: copied now, or for a device tensor
+        snapshotted on its stream now and published once that copy is done). A second set
+        raises PromiseAlreadySatisfiedError; the first value stays."""
         if _is_compiling() and _promise_method_traced("set_value"):
             return _InGraphEagerly.promise_methods["set_value"](self, t)
         _check_local_tensor(t, "TensorPromise.set_value")

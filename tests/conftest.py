@@ -1,5 +1,10 @@
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -94,3 +99,36 @@ def threads_named(name: str) -> int:
 def detector_threads() -> int:
     """The library's detector threads alive now, counted by name."""
     return threads_named("dtorch-detect")
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_python(script: str, timeout: float = 120):
+    """Runs `script` (dedented) in a fresh interpreter that can import the tests' helpers."""
+    prologue = f"import sys; sys.path.insert(0, {TESTS!r})\n"
+    return subprocess.run([sys.executable, "-c", prologue + textwrap.dedent(script)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def consumer_segments() -> set:
+    """This process's file-kind segments: the pairs it created and the payloads sent to it (named
+    for their consumer); not its doorbell, which lives while pairs are pending, and a while
+    after."""
+    mine = f"dtorch_{os.getpid()}-"
+    doorbell = dtorch_ops._C.file_doorbell_segment()
+    return {name for name in os.listdir("/dev/shm") if name.startswith(mine) and name != doorbell}
+
+
+def assert_no_new_segments(before: set, within_s: float = 5.0) -> None:
+    """Fails unless every segment of this process not in `before` is gone within `within_s`."""
+    import gc
+
+    deadline = time.monotonic() + within_s
+    while True:
+        gc.collect()
+        left = consumer_segments() - before
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"left in /dev/shm: {sorted(left)}"

@@ -5,7 +5,6 @@ short-lived ones for the start methods. Failures (killed producers, untrusted ha
 are in test_file_failures.py.
 """
 import asyncio
-import gc
 import multiprocessing
 import os
 import pickle
@@ -21,31 +20,16 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_
 import dtorch_ops
 import file_producers
 from producer_process import ProducerProcess
-from conftest import WAIT_MS
+from conftest import WAIT_MS, assert_no_new_segments, consumer_segments
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def consumer_segments() -> set:
-    """This process's segments: the pairs it created and the payloads sent to it (named for their
-    consumer); not its doorbell, which lives while pairs are pending, and a while after."""
-    mine = f"dtorch_{os.getpid()}-"
-    doorbell = dtorch_ops._C.file_doorbell_segment()
-    return {name for name in os.listdir("/dev/shm") if name.startswith(mine) and name != doorbell}
 
 
 @pytest.fixture(autouse=True)
 def nothing_left_in_dev_shm():
     before = consumer_segments()
     yield
-    deadline = time.monotonic() + 5
-    while True:
-        gc.collect()
-        left = consumer_segments() - before
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert not left, f"left in /dev/shm: {sorted(left)}"
+    assert_no_new_segments(before)
 
 
 @pytest.fixture(scope="module")
@@ -181,30 +165,16 @@ def test_a_blocked_get_is_woken_by_the_producer(producer):
     assert torch.equal(result["value"], torch.full((3,), 5.0))
 
 
-def test_device_tensors_are_refused_clearly():
-    import simdev
-
-    simdev.load()
-    promise, future = file_pair()
-    on_device = torch.ones(2, device="simdev")
-    with pytest.raises(RuntimeError, match="carries CPU tensors in this version.*pass t.cpu"):
-        dtorch_ops.get_tensor(on_device, promise)
-    with pytest.raises(RuntimeError, match="carries CPU tensors in this version"):
-        promise.set_value(torch.empty(2, device="meta"))
-    with pytest.raises(RuntimeError, match="strided"):
-        promise.set_value(torch.eye(2).to_sparse())
-    promise.set_value(torch.ones(1))  # nothing was claimed by the refused calls
-    assert torch.equal(future.wait(WAIT_MS), torch.ones(1))
-
-
 # ---- serialization, pickling, start methods ----
 
 
 def test_serialize_from_serialized_and_the_handle_format(producer):
     promise, future = file_pair()
     serialized = promise.serialize()
-    magic, version, kind, value_type, segment, nonce = serialized.split(":")
+    magic, version, kind, value_type, segment, nonce, *options = serialized.split(":")
     assert (magic, version, kind, value_type) == ("dtorch-promise", "1", "file", "tensor")
+    # The consumer's delivery of device values: "ipc" where this process can open CUDA IPC.
+    assert options == (["ipc"] if torch.cuda.is_available() else [])
     assert segment.startswith(f"dtorch_{os.getpid()}-") and len(nonce) == 32
     mode = os.stat(f"/dev/shm/{segment}").st_mode
     assert stat.S_IMODE(mode) == 0o600 and os.stat(f"/dev/shm/{segment}").st_uid == os.geteuid()

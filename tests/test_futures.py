@@ -260,7 +260,7 @@ def test_callers_errors():
     with pytest.raises(ValueError, match="kind 'file' takes no options"):
         dtorch_ops.VoidPromise("file://x")
     with pytest.raises(TypeError, match=r"options \['device'\] that this kind does not take"):
-        dtorch_ops.TensorPromise("file", device="cpu")
+        dtorch_ops.TensorPromise("memory", device="cpu")
 
 
 def test_errors_are_typed_by_their_code():

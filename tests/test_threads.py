@@ -1,10 +1,6 @@
 """The library's threads: detectors per device stream (capped, shared beyond the cap, woken one at a
 time, exiting when idle), blocking waits or polling, and what happens at exit and fork. On the
 simulated device (its streams are threads of their own, and it registers a blocking wait)."""
-import os
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -12,9 +8,8 @@ import torch
 
 import dtorch_ops
 from dtorch_ops import _C
-from conftest import WAIT_MS, detector_threads
+from conftest import WAIT_MS, detector_threads, run_python
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture
@@ -221,18 +216,12 @@ def test_the_settings_check_their_values(settings):
     assert "max_detector_threads=7" in repr(settings)
 
 
-def _run(script, timeout=120):
-    """Runs `script` in a fresh interpreter that can import the tests' helpers."""
-    prologue = f"import sys; sys.path.insert(0, {TESTS!r})\n"
-    return subprocess.run([sys.executable, "-c", prologue + textwrap.dedent(script)],
-                          capture_output=True, text=True, timeout=timeout)
-
 
 def test_a_later_atexit_handler_gets_an_error_not_a_hang():
     # A handler registered before `import dtorch_ops` runs after dtorch_ops' own (atexit is last
     # in, first out): the value it waits for is still pending then (the stream is held and the
     # simulated device is not drained at exit here), so its get() must raise.
-    proc = _run("""
+    proc = run_python("""
         import atexit, threading, time
         pending = {}
 
@@ -265,7 +254,7 @@ def test_a_later_atexit_handler_gets_an_error_not_a_hang():
 
 
 def test_fork_with_pending_values():
-    proc = _run("""
+    proc = run_python("""
         import os, threading, time, torch, dtorch_ops, devices
         dev = devices.SimDev()
         release = dev.hold()

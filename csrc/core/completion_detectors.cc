@@ -61,7 +61,8 @@ struct CompletionDetectors::Detector {
   std::vector<Key*> keys;      // the keys it serves
   bool notified = false;
   bool blocking = false;       // inside a blocking wait: a new key would wait for the slice
-  std::chrono::steady_clock::time_point slice_end;  // of that wait
+  bool untimed = false;        // that wait ends only with its work: a new key would wait for it
+  std::chrono::steady_clock::time_point slice_end;  // of a timed wait
 };
 
 struct CompletionDetectors::State {
@@ -121,12 +122,14 @@ void CompletionDetectors::Submit(const std::string& key,
 void CompletionDetectors::AssignLocked(Key& key) {
   State& st = *state_;
   const auto alive = static_cast<int64_t>(st.detectors.size());
-  // Not blocked first (a blocked one sees a new key when its slice ends), then the fewest keys,
-  // then the blocked one whose slice ends first.
-  const auto better = [](const Detector& a, const Detector& b) {
-    if (a.blocking != b.blocking) return !a.blocking;
+  // Not blocked first, then one in a timed wait (it sees a new key when its slice ends), then one
+  // in an untimed wait (it sees it when its work has finished: the last choice); among equals the
+  // fewest keys, then the timed wait whose slice ends first.
+  const auto rank = [](const Detector& d) { return d.blocking ? (d.untimed ? 2 : 1) : 0; };
+  const auto better = [&rank](const Detector& a, const Detector& b) {
+    if (rank(a) != rank(b)) return rank(a) < rank(b);
     if (a.keys.size() != b.keys.size()) return a.keys.size() < b.keys.size();
-    return a.blocking && a.slice_end < b.slice_end;
+    return rank(a) == 1 && a.slice_end < b.slice_end;
   };
   const auto least_loaded = [&](bool busy_only) {
     Detector* chosen = nullptr;
@@ -205,6 +208,8 @@ void CompletionDetectors::Run(Detector* self) {
     // takes items off its keys, so the pointers stay valid and stay the oldest meanwhile.
     const bool block = !st.stopping && self->keys.size() == 1 &&
                        self->keys.front()->items.front()->CanBlock();
+    // (An untimed wait ignores the slice: see "Untimed waits" in the header.)
+    const bool untimed = block && !self->keys.front()->items.front()->WaitIsTimed();
     const auto slice = std::chrono::milliseconds(kBlockingSliceMs);
     self->notified = false;  // a key given during the round ends the back-off below at once
     probes.clear();
@@ -215,7 +220,9 @@ void CompletionDetectors::Run(Detector* self) {
       probes.push_back(std::move(probe));
     }
     self->blocking = block;
-    self->slice_end = std::chrono::steady_clock::now() + slice;
+    self->untimed = untimed;
+    self->slice_end = untimed ? std::chrono::steady_clock::time_point::max()
+                              : std::chrono::steady_clock::now() + slice;
     lock.unlock();
     for (Probe& probe : probes) {
       for (PendingCompletion* item : probe.items) {
@@ -236,6 +243,7 @@ void CompletionDetectors::Run(Detector* self) {
     }
     lock.lock();
     self->blocking = false;
+    self->untimed = false;
     if (st.dropped) break;  // Stop() gave up on this detector and dropped its keys' items
     finished.clear();
     for (Probe& probe : probes) {
@@ -298,8 +306,15 @@ void CompletionDetectors::Stop(std::chrono::steady_clock::time_point deadline) {
       detector->notified = true;
       detector->cv.notify_one();
     }
-    st.changed.wait_until(lock, deadline,
-                          [&] { return st.detectors.empty() && st.completing == 0; });
+    // A detector in an untimed wait on its only key cannot be woken, and has nothing done to
+    // complete: not waited for (see the header).
+    st.changed.wait_until(lock, deadline, [&] {
+      return st.completing == 0 &&
+             std::all_of(st.detectors.begin(), st.detectors.end(),
+                         [](const std::unique_ptr<Detector>& d) {
+                           return d->untimed && d->keys.size() == 1;
+                         });
+    });
     st.dropped = true;
     for (auto& [name, key] : st.keys) {
       for (auto& item : key->items) dropped.push_back(item.release());

@@ -11,17 +11,29 @@
 // detector serving the fewest, not blocked if possible). A key is active while it has completions
 // queued or being completed; a submission to an active key wakes nobody, one to an inactive key
 // wakes only the detector it is given to. A detector serving one key whose oldest completion can
-// block (PendingCompletion::CanBlock: a backend registered a blocking wait) sleeps in that wait, in
-// slices of kBlockingSliceMs (at the cap, a key given to a blocked detector, the one whose slice
+// block (PendingCompletion::CanBlock: the device type records its own events) sleeps in that wait,
+// in slices of kBlockingSliceMs (at the cap, a key given to a blocked detector, the one whose slice
 // ends first, waits for that); otherwise it polls its keys' oldest completions with an
 // exponential back-off (20 us .. 1 ms). A detector with no key exits after the idle time
 // (SetIdleExitMs).
 //
+// Untimed waits (PendingCompletion::WaitIsTimed false: CUDA's cudaEventSynchronize has no
+// timeout): the detector sleeps until that completion's work has finished or failed, and sees
+// nothing else meanwhile. So a new key goes to a detector in an untimed wait only as the last
+// choice, at the cap when every detector is in one (then the fewest keys): that key waits until
+// the wait ends, i.e. behind another stream's work. Below the cap a new key starts a detector.
+//
 // Exit (Stop, called by the library's exit handler within one deadline): detectors complete what
 // is already done and exit; every completion still pending then gets FutureError
-// kDroppedAtExit, and so does each later submission. Fork: the child inherits no detector; the
-// completions pending in the parent get kDroppedAtFork in the child (AfterForkInChild), and new
-// submissions there start new detectors.
+// kDroppedAtExit, and so does each later submission. A detector in an untimed wait cannot be
+// woken: Stop does not wait for one serving a single key (that key's oldest completion was
+// pending when last looked at, as a polling detector's final round finds it: dropped) and
+// abandons it at once, as it abandons any detector still busy at the deadline; its wait then
+// returns whenever the device is done, and it touches nothing of what Stop dropped. So exit never
+// waits for device work. Fork: the child inherits no detector; the completions pending in the
+// parent get kDroppedAtFork in the child (AfterForkInChild), and new submissions there start new
+// detectors. A detector in a wait (timed or not) holds no lock and is not inside Complete(), so
+// PrepareFork does not wait for it either.
 //
 // Lifetime: a process-wide singleton, never destroyed. A completion keeps what it needs alive until
 // Complete() has run. One dropped (exit, fork) is completed with the error and then leaked, not
@@ -47,8 +59,11 @@ class PendingCompletion {
   virtual bool Poll() = 0;
   // Whether WaitFor blocks in the backend without spinning until the work is done.
   virtual bool CanBlock() const { return false; }
-  // Blocks until the work has finished or `timeout` has passed; returns whether it finished.
-  // Called only when CanBlock(). May throw (a device error).
+  // Whether WaitFor returns once `timeout` has passed. An untimed one returns only when the work
+  // has finished or failed (see "Untimed waits" above). Asked only when CanBlock().
+  virtual bool WaitIsTimed() const { return true; }
+  // Blocks until the work has finished or (WaitIsTimed) `timeout` has passed; returns whether it
+  // finished. Called only when CanBlock(). May throw (a device error).
   virtual bool WaitFor(std::chrono::microseconds timeout) { return Poll(); }
   // Called exactly once: with nullptr when the work finished, with the exception Poll()/WaitFor()
   // threw, or with a FutureError (kDroppedAtExit, kDroppedAtFork) when the value will never be
@@ -91,10 +106,10 @@ class CompletionDetectors {
   // The next `count` thread starts fail as if the system had no thread to spare.
   void FailThreadStartsForTesting(int count);
 
-  // Exit: detectors complete what is done and exit; at `deadline` whatever is still pending is
-  // completed with kDroppedAtExit (here, on the calling thread). A detector still busy then is
-  // abandoned: it completes only what it had already taken off its keys, polls nothing more and
-  // destroys nothing. Idempotent.
+  // Exit: detectors complete what is done and exit; at `deadline` (or once every detector left is
+  // in an untimed wait on its only key) whatever is still pending is completed with kDroppedAtExit
+  // (here, on the calling thread). A detector still busy then is abandoned: it completes only what
+  // it had already taken off its keys, polls nothing more and destroys nothing. Idempotent.
   void Stop(std::chrono::steady_clock::time_point deadline);
 
   // pthread_atfork handlers (registered by the library's lifecycle, core/library_threads.h).

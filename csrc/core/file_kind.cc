@@ -256,7 +256,8 @@ class ChannelBase : public FileChannel {
   }
 
   void PublishValue(const std::string& header, size_t payload_bytes,
-                    const std::function<void(void*)>& write) override {
+                    const std::function<void(void*)>& write,
+                    std::shared_ptr<void> keep) override {
     auto* b = block();
     if (b->state.load() != State(kClaimed, claimant_)) return;  // broken meanwhile: no payload
     const auto fail = [&](const FutureError& error) {
@@ -285,6 +286,7 @@ class ChannelBase : public FileChannel {
       }
       b->payload_sequence = lease->sequence();
       lease->MarkPublished();
+      lease->HoldUntilReleased(std::move(keep));
     }
     b->payload_bytes = payload_bytes;
     b->header_bytes = static_cast<uint32_t>(header.size());
@@ -966,8 +968,17 @@ std::shared_ptr<shm::Segment> ProducerDoorbell(ProcessState& state, const std::s
 
 // ---------------------------------------------------------------------------------------------
 
+static bool ValidValueOptions(std::string_view options) {
+  return options.size() <= 32 &&
+         std::all_of(options.begin(), options.end(), [](char c) {
+           return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '=';
+         });
+}
+
 std::string FileHandle::Serialize() const {
-  return SerializedPrefix(kFileKind) + type_name + ":" + segment + ":" + nonce_hex;
+  std::string serialized = SerializedPrefix(kFileKind) + type_name + ":" + segment + ":" + nonce_hex;
+  if (!value_options.empty()) serialized += ":" + value_options;
+  return serialized;
 }
 
 FileHandle FileHandle::Parse(std::string_view rest, std::string_view expected_type) {
@@ -978,12 +989,20 @@ FileHandle FileHandle::Parse(std::string_view rest, std::string_view expected_ty
   FileHandle handle;
   const auto first = rest.find(':');
   const auto second = first == std::string_view::npos ? first : rest.find(':', first + 1);
-  if (second == std::string_view::npos || rest.find(':', second + 1) != std::string_view::npos) {
-    throw bad("has the wrong number of fields (expected <type>:<segment>:<nonce>)");
+  const auto third = second == std::string_view::npos ? second : rest.find(':', second + 1);
+  if (second == std::string_view::npos ||
+      (third != std::string_view::npos && rest.find(':', third + 1) != std::string_view::npos)) {
+    throw bad("has the wrong number of fields (expected <type>:<segment>:<nonce>[:<options>])");
   }
   handle.type_name = std::string(rest.substr(0, first));
   handle.segment = std::string(rest.substr(first + 1, second - first - 1));
-  handle.nonce_hex = std::string(rest.substr(second + 1));
+  handle.nonce_hex = std::string(rest.substr(second + 1, third - second - 1));
+  if (third != std::string_view::npos) {
+    handle.value_options = std::string(rest.substr(third + 1));
+    if (handle.value_options.empty() || !ValidValueOptions(handle.value_options)) {
+      throw bad("has malformed value options");
+    }
+  }
   if (handle.type_name != expected_type) {
     throw bad("carries another value type than this promise's '" + std::string(expected_type) +
               "', not a " + std::string(expected_type) + " one (TensorPromise and VoidPromise "
@@ -1114,9 +1133,13 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
   return attachment;
 }
 
-std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
+std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name,
+                                                   std::string_view value_options) {
   if (type_name.size() >= kTypeNameBytes) {
     throw std::logic_error("a file kind value type name is at most 15 characters");
+  }
+  if (!ValidValueOptions(value_options)) {
+    throw std::logic_error("file kind value options are at most 32 of [a-z0-9_=]");
   }
   ProcessState& state = *process_state;
   // One critical section: the watcher, going idle, must not unlink the doorbell this pair names.
@@ -1130,6 +1153,7 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name) {
   const auto self = shm::Self();
   FileHandle handle;
   handle.type_name = std::string(type_name);
+  handle.value_options = std::string(value_options);
   handle.segment = shm::NewSegmentName(self);
   std::shared_ptr<shm::Segment> control = shm::Segment::Create(handle.segment, kSegmentBytes);
   auto* block = new (control->data()) FileControlBlock();  // zeroed; atomics and mutex built

@@ -72,6 +72,9 @@ struct FileHandle {
   std::string type_name;  // the codec's TypeName()
   std::string segment;    // the control segment
   std::string nonce_hex;  // 32 hex digits; must match the nonce stored in the segment
+  // The consumer's options for the value (its codec's, e.g. "device=cpu"): [a-z0-9_=]{0,32},
+  // empty for none; checked by the codec.
+  std::string value_options;
 
   std::string Serialize() const;
   // Parses what follows "dtorch-promise:1:file:"; throws FutureError(kInvalidHandle).
@@ -105,8 +108,10 @@ class FileChannel {
   // error. PublishValue throws FutureError(kSharedMemory) when the payload cannot be made, after
   // publishing that error to the consumer instead. Nothing is published if the consumer failed
   // the pair meanwhile.
+  // `keep` (may be null) is held until the consumer has released the payload (or died).
   virtual void PublishValue(const std::string& header, size_t payload_bytes,
-                            const std::function<void(void*)>& write) = 0;
+                            const std::function<void(void*)>& write,
+                            std::shared_ptr<void> keep = nullptr) = 0;
   virtual void PublishError(const ErrorInfo& error) noexcept = 0;
 };
 
@@ -127,7 +132,9 @@ std::shared_ptr<shm::Segment> MapFileControlSegment(const FileHandle& handle) no
 class FileConsumer {
  public:
   // Creates the control segment and registers the pair with the doorbell watcher.
-  static std::shared_ptr<FileConsumer> Create(std::string_view type_name);
+  // `value_options` travel in the handle (FileHandle::value_options).
+  static std::shared_ptr<FileConsumer> Create(std::string_view type_name,
+                                              std::string_view value_options = {});
   virtual ~FileConsumer() = default;
 
   virtual const FileHandle& handle() const = 0;
@@ -279,9 +286,11 @@ template <typename T>
 class FilePromise final : public PromiseBackend<T> {
  public:
   // The creator's promise: makes the pair.
-  explicit FilePromise(std::shared_ptr<const ValueCodec<T>> codec)
+  // `value_options`: the codec's options (codec was made with them), which producers need too.
+  explicit FilePromise(std::shared_ptr<const ValueCodec<T>> codec,
+                       std::string_view value_options = {})
       : codec_(std::move(codec)),
-        consumer_(FileConsumer::Create(codec_->TypeName())),
+        consumer_(FileConsumer::Create(codec_->TypeName(), value_options)),
         handle_(consumer_->handle()) {}
   // A promise another process serialized: attaches on first use.
   FilePromise(FileHandle handle, std::shared_ptr<const ValueCodec<T>> codec)
@@ -310,9 +319,10 @@ class FilePromise final : public PromiseBackend<T> {
     }
     size_t payload_bytes = 0;
     const std::string header = codec_->Header(result.value(), &payload_bytes);
-    channel->PublishValue(header, payload_bytes, [&](void* payload) {
-      codec_->WritePayload(result.value(), payload, payload_bytes);
-    });
+    channel->PublishValue(
+        header, payload_bytes,
+        [&](void* payload) { codec_->WritePayload(result.value(), payload, payload_bytes); },
+        codec_->KeepUntilReleased(result.value()));
   }
 
   std::unique_ptr<FutureBackend<T>> GetFuture() override {
@@ -333,6 +343,7 @@ class FilePromise final : public PromiseBackend<T> {
     return handle_.Serialize();
   }
   const char* Kind() const override { return "file"; }
+  bool CopiesValueOut() const override { return true; }
 
  protected:
   void ClaimShared(const char* producer) override {

@@ -100,11 +100,20 @@ struct ReceivedSegment {
   Clock::time_point last_used;  // guarded by State::mu
 };
 
+// An object a producer keeps until the consumer has released value `sequence` of `segment`.
+struct Held {
+  std::shared_ptr<ProducedSegment> segment;  // (mapped while held: its trailer tells)
+  uint64_t sequence = 0;
+  shm::ProcessId consumer;
+  std::shared_ptr<void> object;
+};
+
 struct State {
   std::mutex mu;
   // Guarded by mu. Keyed by the peer's (pid, start time).
   std::map<std::pair<int32_t, uint64_t>, ConsumerPool> pools;
   std::map<std::string, std::shared_ptr<ReceivedSegment>> received;
+  std::vector<Held> held;
 };
 
 // Replaced (the old one leaked) in a fork child: its mutex may be held by a thread of the parent.
@@ -112,8 +121,13 @@ State* state = new State();
 
 class LeaseImpl final : public Lease {
  public:
-  LeaseImpl(std::shared_ptr<ProducedSegment> produced, uint64_t sequence, bool fresh, bool pooled)
-      : produced_(std::move(produced)), sequence_(sequence), fresh_(fresh), pooled_(pooled) {}
+  LeaseImpl(std::shared_ptr<ProducedSegment> produced, uint64_t sequence, bool fresh, bool pooled,
+            shm::ProcessId consumer)
+      : produced_(std::move(produced)),
+        sequence_(sequence),
+        fresh_(fresh),
+        pooled_(pooled),
+        consumer_(consumer) {}
   ~LeaseImpl() override {
     if (!published_) Withdraw();
   }
@@ -125,6 +139,12 @@ class LeaseImpl final : public Lease {
   void MarkPublished() override {
     MoveValue(trailer(), sequence_, kWriting, kPublished);  // (seq_cst: the data is written)
     published_ = true;
+  }
+
+  void HoldUntilReleased(std::shared_ptr<void> object) override {
+    if (!object) return;
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->held.push_back({produced_, sequence_, consumer_, std::move(object)});
   }
 
   void Withdraw() noexcept override {
@@ -161,6 +181,7 @@ class LeaseImpl final : public Lease {
   const uint64_t sequence_;  // this lease's value
   const bool fresh_;
   const bool pooled_;
+  const shm::ProcessId consumer_;
   bool published_ = false;
 };
 
@@ -194,7 +215,7 @@ std::unique_ptr<Lease> Acquire(const shm::ProcessId& consumer, uint64_t bytes,
           t->word.compare_exchange_strong(word, Word(SequenceOf(word) + 1, kWriting))) {
         produced->last_used = Clock::now();
         return std::make_unique<LeaseImpl>(produced, SequenceOf(word) + 1, /*fresh=*/false,
-                                           /*pooled=*/true);
+                                           /*pooled=*/true, consumer);
       }
     }
     for (const uint64_t reserved : pool.creating) {
@@ -245,7 +266,7 @@ std::unique_ptr<Lease> Acquire(const shm::ProcessId& consumer, uint64_t bytes,
   t->magic = kTrailerMagic;
   produced->last_used = Clock::now();
   if (reserved) settle(pooled ? produced : nullptr);
-  return std::make_unique<LeaseImpl>(std::move(produced), 1, /*fresh=*/true, pooled);
+  return std::make_unique<LeaseImpl>(std::move(produced), 1, /*fresh=*/true, pooled, consumer);
 }
 
 Received Receive(const std::string& name, uint64_t sequence, uint64_t bytes) {
@@ -332,9 +353,23 @@ bool Sweep(Clock::time_point now, const std::function<bool(const shm::ProcessId&
   const int64_t idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(idle).count();
   std::vector<std::shared_ptr<ProducedSegment>> dropped_produced;  // unmapped outside mu
   std::vector<std::shared_ptr<ReceivedSegment>> dropped_received;
+  std::vector<Held> released;  // destroyed outside mu (a device block's memory goes back)
   bool any = false;
   {
     std::lock_guard<std::mutex> lock(state->mu);
+    // Held until the consumer's view of that value is gone: the value is no longer published or
+    // in use (free, reused, retired, or withdrawn), or the consumer died.
+    for (auto it = state->held.begin(); it != state->held.end();) {
+      const uint64_t word = TrailerOf(*it->segment->segment)->word.load();
+      const bool viewed = word == Word(it->sequence, kPublished) ||
+                          word == Word(it->sequence, kInUse);
+      if (viewed && alive(it->consumer)) {
+        ++it;
+      } else {
+        released.push_back(std::move(*it));
+        it = state->held.erase(it);
+      }
+    }
     for (auto pool_it = state->pools.begin(); pool_it != state->pools.end();) {
       auto& pool = pool_it->second;
       const bool consumer_alive = alive(pool.consumer);
@@ -384,14 +419,14 @@ bool Sweep(Clock::time_point now, const std::function<bool(const shm::ProcessId&
         ++it;
       }
     }
-    any = !state->pools.empty() || !state->received.empty();
+    any = !state->pools.empty() || !state->received.empty() || !state->held.empty();
   }
   return any;
 }
 
 bool AnyKept() {
   std::lock_guard<std::mutex> lock(state->mu);
-  return !state->pools.empty() || !state->received.empty();
+  return !state->pools.empty() || !state->received.empty() || !state->held.empty();
 }
 
 Counts Kept() {
@@ -427,6 +462,9 @@ void AfterForkInChild() noexcept {
   state = new State();
   parents->pools.clear();
   parents->received.clear();
+  // What the parent holds for its consumers (device blocks) is the parent's: leaked here.
+  for (auto& held : parents->held) new std::shared_ptr<void>(std::move(held.object));
+  parents->held.clear();
 }
 
 }  // namespace dtorch::core::payload

@@ -56,6 +56,10 @@ class Lease {
   virtual uint64_t sequence() const = 0;
   // The value is written: the consumer may receive it (call before the pair says "value").
   virtual void MarkPublished() = 0;
+  // After MarkPublished: keeps `object` alive until the consumer's view of this value is gone
+  // (or it was withdrawn, or the consumer died), noticed by Sweep; AnyKept() is true meanwhile.
+  // For a value that only names memory the consumer maps (a device block).
+  virtual void HoldUntilReleased(std::shared_ptr<void> object) = 0;
   // After publishing: the pair was gone, so nobody will receive it. The segment is free again
   // (a new one the consumer never mapped is unlinked and dropped instead). Safe to race with a
   // consumer that receives it after all.

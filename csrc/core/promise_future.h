@@ -65,6 +65,10 @@ class PromiseBackend {
 
   // Refuses, before any claim, a value this kind cannot carry (throws with what to do instead).
   virtual void CheckValue(const T& /*value*/) const {}
+  // Whether the value is copied out of this process when the promise is completed (file,
+  // network), rather than handed over as it is (memory): a value still being written by queued
+  // device work must then be snapshotted before it is completed.
+  virtual bool CopiesValueOut() const { return false; }
 
   // Reserves the single completion for `producer` (a string literal: it is kept, to name the
   // first producer when a second one is refused). Throws FutureError(kPromiseAlreadySatisfied),

@@ -30,6 +30,10 @@ class ValueCodec {
   virtual std::string Header(const T& value, size_t* payload_bytes) const = 0;
   // Writes the payload of `value` (payload_bytes of them, as Header said) to `payload`.
   virtual void WritePayload(const T& value, void* payload, size_t payload_bytes) const = 0;
+  // What the producer must keep alive until the consumer has released the value's payload (or
+  // died): a device block the payload only names, which the consumer maps. Null when the payload
+  // holds the value itself.
+  virtual std::shared_ptr<void> KeepUntilReleased(const T& /*value*/) const { return nullptr; }
   // The value of a header and payload another process wrote (untrusted). `payload` (null when
   // there are no bytes) is kept alive by `keep_alive` for as long as the value needs it. Throws
   // FutureError(kInvalidHandle) for anything out of bounds.

@@ -84,6 +84,9 @@ void QueueCopies(const char* op, const std::vector<at::Tensor>& inputs, PendingC
       pending.copies.push_back(std::move(value));  // host memory already: no copy
       continue;
     }
+    // Refused before anything is queued on a stream under graph capture: the capture would
+    // record the copy, not run it.
+    CheckNotCapturing(input.device(), op);
     // Non-blocking from an accelerator: torch pins the destination (CUDA's caching host
     // allocator, a PrivateUse1 backend's pinned allocator) and queues the copy on the current
     // stream of the input's device.

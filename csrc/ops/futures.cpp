@@ -11,6 +11,7 @@
 #include "../core/file_kind.h"
 #include "../core/kind_registry.h"
 #include "errors.h"
+#include "get_tensor.h"
 #include "runtime_hooks.h"
 #include "tensor_codec.h"
 
@@ -71,19 +72,36 @@ core::Deadline DeadlineIn(int64_t timeout_ms) {
          std::chrono::milliseconds(std::min(timeout_ms, core::kMaxTimeoutMs));
 }
 
-// The kinds a pair of T can be (core/kind_registry.h).
+// The codecs of file pairs of T, from the options of a kind spec (a new pair) or of a serialized
+// promise (core/kind_registry.h).
 template <typename T>
-std::shared_ptr<const core::ValueCodec<T>> Codec();
+struct FileCodecs;
 template <>
-std::shared_ptr<const core::ValueCodec<at::Tensor>> Codec() {
-  static const auto codec = std::make_shared<const TensorCodec>();
-  return codec;
-}
+struct FileCodecs<at::Tensor> {
+  static std::shared_ptr<const TensorCodec> ForNewPair(std::string_view options) {
+    return TensorCodec::ForNewPair(options);
+  }
+  static std::shared_ptr<const TensorCodec> ForSerialized(std::string_view value_options) {
+    return TensorCodec::ForSerialized(value_options);
+  }
+};
 template <>
-std::shared_ptr<const core::ValueCodec<core::Unit>> Codec() {
-  static const auto codec = std::make_shared<const core::UnitCodec>();
-  return codec;
-}
+struct FileCodecs<core::Unit> {
+  static std::shared_ptr<const core::UnitCodec> ForNewPair(std::string_view options) {
+    if (!options.empty()) {
+      throw std::invalid_argument("dtorch: VoidPromise kind 'file' takes no options");
+    }
+    static const auto codec = std::make_shared<const core::UnitCodec>();
+    return codec;
+  }
+  static std::shared_ptr<const core::UnitCodec> ForSerialized(std::string_view value_options) {
+    if (!value_options.empty()) {
+      throw core::FutureError(core::FutureErrc::kInvalidHandle,
+                              "a serialized file VoidPromise with value options");
+    }
+    return ForNewPair("");
+  }
+};
 
 template <typename T>
 const core::KindRegistry<T>& Kinds() {
@@ -95,6 +113,13 @@ const core::KindRegistry<T>& Kinds() {
                                     " kind '" + std::string(kind) + "' takes no options");
       }
     };
+    const auto options_of = [](const auto& codec) -> std::string_view {
+      if constexpr (std::is_same_v<T, at::Tensor>) {
+        return codec.Options();
+      } else {
+        return {};
+      }
+    };
     kinds.Register(core::kMemoryKind,
                    {[no_options](std::string_view options) {
                       no_options(core::kMemoryKind, options);
@@ -102,13 +127,16 @@ const core::KindRegistry<T>& Kinds() {
                     },
                     nullptr, ""});
     kinds.Register(core::kFileKind,
-                   {[no_options](std::string_view options) {
-                      no_options(core::kFileKind, options);
-                      return std::make_unique<core::FilePromise<T>>(Codec<T>());
+                   {[options_of](std::string_view options) {
+                      const auto codec = FileCodecs<T>::ForNewPair(options);
+                      return std::make_unique<core::FilePromise<T>>(codec, options_of(*codec));
                     },
                     [](std::string_view rest) {
-                      return std::make_unique<core::FilePromise<T>>(
-                          core::FileHandle::Parse(rest, Codec<T>()->TypeName()), Codec<T>());
+                      auto handle = core::FileHandle::Parse(
+                          rest, FileCodecs<T>::ForNewPair("")->TypeName());
+                      auto codec = FileCodecs<T>::ForSerialized(handle.value_options);
+                      return std::make_unique<core::FilePromise<T>>(std::move(handle),
+                                                                    std::move(codec));
                     },
                     ""});
     kinds.Register(core::kNetworkKind,
@@ -203,6 +231,11 @@ void Promise<T>::CheckValue(const T& value) const {
 }
 
 template <typename T>
+bool Promise<T>::CopiesValueOut() const {
+  return backend_->CopiesValueOut();
+}
+
+template <typename T>
 void Promise<T>::Claim(const char* producer) {
   TranslateErrors([&] { backend_->Claim(producer); });
 }
@@ -218,6 +251,11 @@ void Promise<T>::SetValueFrom(T value, const char* caller) {
     TORCH_CHECK(value.defined(), "dtorch: set_value needs a defined tensor, got an undefined one");
     if (value.key_set().has(c10::DispatchKey::Python)) {
       if (const auto check = GetRuntimeHooks().check_subclass_value) check(value);
+    }
+    if (!value.device().is_cpu() && backend_->CopiesValueOut()) {
+      // Device work may still be writing it: snapshotted on its stream, completed after that.
+      kernels::CompleteFromDevice(value, c10::intrusive_ptr<Promise>::reclaim_copy(this), caller);
+      return;
     }
   }
   BeforeReturn before_return;  // the waiter it wakes may take the GIL meanwhile

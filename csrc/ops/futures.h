@@ -25,6 +25,7 @@ class ProducerAccess {
   // Refuses a value this promise's kind cannot carry (a device tensor in a file promise), before
   // anything is claimed.
   static void CheckValue(const Promise<T>& promise, const T& value) { promise.CheckValue(value); }
+  static bool CopiesValueOut(const Promise<T>& promise) { return promise.CopiesValueOut(); }
   // SetValue, naming the op that fulfils the promise in a second completion's error (a string
   // literal: the claim keeps the pointer).
   static void SetValue(Promise<T>& promise, T value, const char* caller) {

@@ -13,6 +13,13 @@ void get_tensor_cpu(const at::Tensor& input, const c10::intrusive_ptr<TensorProm
 // Any device with c10::Event support (CUDA, XPU, PrivateUse1, ...): record an event on the
 // input's current stream and fulfil from a detector thread once it completes.
 void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise);
+// A device tensor for a promise whose kind copies the value out of this process (file): claims
+// the promise for `caller` (a string literal), queues a snapshot copy of `input` on its device's
+// current stream (so that later work there, an in-place optimizer step, cannot change the value)
+// and returns; once an event after the copy has fired, the library's pool completes the promise
+// with the snapshot (exports or stages it: TensorCodec).
+void CompleteFromDevice(const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise,
+                        const char* caller);
 // Composite: make a memory pair and run get_tensor on it.
 c10::intrusive_ptr<TensorFuture> get_tensor_async(const at::Tensor& input);
 // Inside a torch.func transform: raise, naming the op and what to do instead.

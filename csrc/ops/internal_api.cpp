@@ -11,6 +11,8 @@
 #include "../core/payload_pool.h"
 #include "../core/promise_future.h"
 #include "../core/ready_notifier.h"
+#include "errors.h"
+#include "tensor_codec.h"
 
 namespace dtorch {
 
@@ -91,6 +93,27 @@ void HoldFilePromiseLockForTesting(const std::string& serialized) {
   TORCH_CHECK(serialized.rfind(prefix, 0) == 0, "not a serialized file promise");
   core::HoldFilePromiseLockForTesting(
       core::FileHandle::Parse(std::string_view(serialized).substr(prefix.size()), "tensor"));
+}
+
+std::pair<std::string, std::string> EncodeTensorForTesting(const at::Tensor& value) {
+  const auto codec = TensorCodec::ForSerialized("");
+  codec->CheckValue(value);
+  size_t payload_bytes = 0;
+  std::string header = codec->Header(value, &payload_bytes);
+  std::string payload(payload_bytes, '\0');
+  codec->WritePayload(value, payload.data(), payload_bytes);
+  return {std::move(header), std::move(payload)};
+}
+
+at::Tensor DecodeTensorForTesting(const std::string& header, const std::string& payload,
+                                  const std::string& value_options) {
+  try {
+    auto bytes = std::make_shared<std::string>(payload);  // viewed by the tensor: kept alive
+    return TensorCodec::ForSerialized(value_options)
+        ->Read(header, bytes->empty() ? nullptr : bytes->data(), bytes->size(), bytes);
+  } catch (const core::FutureError& e) {
+    ThrowCoded(e);
+  }
 }
 
 void SetMaxDetectorThreads(int64_t n) { core::CompletionDetectors::Instance().SetMaxThreads(n); }

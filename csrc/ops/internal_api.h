@@ -9,6 +9,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <dtorch/dtorch.h>
@@ -28,8 +30,55 @@ class ReadyNotifier;
 // ---- The embedding runtime (_C): installs its hooks once, when it loads (runtime_hooks.h).
 DTORCH_INTERNAL_API void SetRuntimeHooks(const RuntimeHooks& hooks);
 
-// ---- Device backends: opt a device type in to blocking waits (device_completion.h).
-DTORCH_INTERNAL_API void RegisterBlockingEventWait(c10::DeviceType type, BlockingEventWait wait);
+// ---- Device backends (device_completion.h). Registered at load time by a backend's static
+// initialiser (CUDA's in csrc/cuda/, the simulated device of the tests); each registration replaces
+// the type's previous one, and what it points to lives for the process. Thread-safe.
+
+// The type's own event recorder: values whose event is recorded from then on are waited for on
+// its DeviceEvents (a detector sleeps in DeviceEvent::Wait); nullptr opts the type out again (its
+// c10::Events are polled with back-off).
+DTORCH_INTERNAL_API void RegisterDeviceEvents(c10::DeviceType type, DeviceEvents* events);
+
+// The type's graph-capture query: get_tensor, to_torch_async, the host copy and sync refuse a
+// stream it reports capturing (CheckNotCapturing). nullptr: never refused.
+DTORCH_INTERNAL_API void RegisterCaptureCheck(c10::DeviceType type, StreamCaptureQuery query);
+
+// A device type's interprocess memory sharing (CUDA: the caching allocator's IPC handles, as
+// torch.multiprocessing uses). Thread-safe.
+class DeviceIpc {
+ public:
+  virtual ~DeviceIpc() = default;
+  // Producer, on a library thread, after the work writing `block` has finished (no event
+  // travels). `block` is a dense tensor the caller keeps alive until the consumer has released it;
+  // the record covers its bytes from its first element to the end of its storage. Returns an
+  // opaque record (at most kMaxRecordBytes) another process of this host can open. Throws
+  // c10::Error when the memory cannot be shared (CUDA: not from torch's caching allocator, or in
+  // an expandable segment).
+  virtual std::string Export(const at::Tensor& block) = 0;
+  // Consumer: opens a record (untrusted: its size and format are validated, and the bytes the view
+  // spans must fit the exported size) as a view of dtype/sizes/strides (strides >= 0) on device
+  // `index` of this type. The returned tensor keeps the mapping open for as long as it (its
+  // storage) lives; `on_release` (may be empty) runs once after that storage is freed and the work
+  // queued on the freeing thread's current stream of that device by then has finished (as
+  // torch.multiprocessing's rule: work on other streams must be synchronised by the user), on a
+  // library thread; it must not throw or take the GIL. Not run if that work fails or the process
+  // exits or forks first (the mapping is then kept). Throws c10::Error for a bad record or a
+  // failed open.
+  virtual at::Tensor Open(std::string_view record, c10::DeviceIndex index, c10::ScalarType dtype,
+                          c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                          std::function<void()> on_release) = 0;
+  // The index, in this process, of the device that holds the record's memory (the same physical
+  // device: processes may number devices differently, e.g. under CUDA_VISIBLE_DEVICES), or -1 when
+  // this process does not see that device, the record is bad, or the type cannot tell.
+  virtual c10::DeviceIndex LocalIndex(std::string_view record) { return -1; }
+
+  static constexpr size_t kMaxRecordBytes = 256;
+};
+// `ipc` lives for the process.
+DTORCH_INTERNAL_API void RegisterDeviceIpc(c10::DeviceType type, DeviceIpc* ipc);
+// The type's DeviceIpc, nullptr when it has none (the simulated device has none). Inside the
+// library only.
+DeviceIpc* FindDeviceIpc(c10::DeviceType type);
 
 // ---- Event loops (asyncio's `await`).
 // torch.classes.dtorch.ReadyNotifier: an event loop's wake-up channel, an eventfd
@@ -103,6 +152,15 @@ DTORCH_INTERNAL_API KeptPayloads KeptFilePayloads();
 DTORCH_INTERNAL_API void FileKindAtChildExit();
 // Takes the interprocess lock of the serialized file promise and never returns.
 [[noreturn]] DTORCH_INTERNAL_API void HoldFilePromiseLockForTesting(const std::string& serialized);
+// Test-only, the tensor codec of file promises (tensor_codec.h) alone: the header and payload a
+// producer publishes for `value` (a device value is staged to the host as it would be), and the
+// tensor a consumer with `value_options` makes of a header and payload from another process
+// (untrusted input: a bad one raises InvalidHandleError).
+DTORCH_INTERNAL_API std::pair<std::string, std::string> EncodeTensorForTesting(
+    const at::Tensor& value);
+DTORCH_INTERNAL_API at::Tensor DecodeTensorForTesting(const std::string& header,
+                                                      const std::string& payload,
+                                                      const std::string& value_options);
 
 // ---- Settings (dtorch_ops.config). Setters throw std::invalid_argument for values out of range.
 DTORCH_INTERNAL_API void SetMaxDetectorThreads(int64_t n);

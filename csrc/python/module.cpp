@@ -127,9 +127,22 @@ py::object ToPython(Unit) { return py::none(); }
 py::object ToPython(std::vector<at::Tensor> values) { return py::cast(std::move(values)); }
 
 // The value of a future whose wait is over (ready, failed, or taken by another thread meanwhile).
+// Receiving a value of a kind that crosses processes may copy it (a device value onto this
+// process's device): with the GIL released. (A memory future's value is at hand.)
+template <typename T, typename Receive>
+py::object Received(const c10::intrusive_ptr<Future<T>>& future, Receive receive) {
+  if (future->Kind() == "memory") return ToPython(receive());
+  T value;
+  {
+    ReleasedGil released;
+    value = receive();
+  }
+  return ToPython(std::move(value));
+}
+
 template <typename T>
 py::object TakeValue(const c10::intrusive_ptr<Future<T>>& future) {
-  return ToPython(future->Get());
+  return Received(future, [&] { return future->Get(); });
 }
 
 py::object TakeValue(const c10::intrusive_ptr<VoidFutureCollect>& collect) {
@@ -140,7 +153,7 @@ py::object TakeValue(const c10::intrusive_ptr<VoidFutureCollect>& collect) {
 // The value of a completed future, not consumed (Future::Value).
 template <typename T>
 py::object PeekValue(const c10::intrusive_ptr<Future<T>>& future) {
-  return ToPython(future->Value());
+  return Received(future, [&] { return future->Value(); });
 }
 
 py::object PeekValue(const c10::intrusive_ptr<VoidFutureCollect>& collect) {
@@ -398,6 +411,14 @@ PYBIND11_MODULE(_C, m) {
     threads["doorbell"] = counts.doorbell;
     return threads;
   });
+  m.def("encode_tensor_for_testing", [](const at::Tensor& value) {
+    auto [header, payload] = internal::EncodeTensorForTesting(value);
+    return py::make_tuple(py::bytes(header), py::bytes(payload));
+  });
+  m.def("decode_tensor_for_testing",
+        [](const py::bytes& header, const py::bytes& payload, const std::string& value_options) {
+          return internal::DecodeTensorForTesting(header, payload, value_options);
+        });
   m.def("pending_file_pairs", &internal::PendingFilePairs);
   m.def("file_doorbell_segment", &internal::FileDoorbellSegment);
   m.def("kept_file_payloads", [] {

@@ -1,13 +1,14 @@
 """GPU only: compiled futures under mode="reduce-overhead" (CUDA graphs). A graph holding an opaque
 reference object cannot be captured as a CUDA graph (pytorch#176615): inductor must skip CUDA
-graphs for it and still run the ops every call, each call's future holding that call's value."""
+graphs for it and still run the ops every call, each call's future holding that call's value.
+CUDA only: skipped on the simulated device (DTORCH_GPU_TESTS=simdev, see conftest.py)."""
 import torch
 
 import dtorch_ops
-from conftest import CUDA, WAIT_MS
+from conftest import WAIT_MS, cuda_only
 
 
-@CUDA
+@cuda_only("CUDA graphs")
 def test_reduce_overhead_falls_back_from_cuda_graphs_and_gives_the_values():
     # (Before torch 2.12 the future is made at a graph break instead: CUDA graphs may then capture
     # the pieces around it, and the values must be right all the same.)

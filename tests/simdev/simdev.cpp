@@ -9,10 +9,12 @@
 // copies touching host memory wait for their turn), fill_, add, mul, views, and ops in the simdev
 // namespace: sleep(ms) (a kernel that takes ms milliseconds), fail(message) (a kernel that faults,
 // like a device-side error: the stream's later events report it), streams, synchronize, and the
-// live allocation count. Its events can be waited for without spinning: it registers a blocking
-// wait with dtorch (dtorch::RegisterBlockingEventWait), which the tests can switch off to exercise
-// the polling path. For the benchmarks: a kernel that stamps the time it ran, and an anchor wake
-// chain (kernel -> relay thread -> caller, two condition-variable hops).
+// live allocation count. Its events can be waited for without spinning: it registers its own event
+// recorder with dtorch (dtorch::RegisterDeviceEvents), which the tests can switch off to exercise
+// the polling path, or to untimed waits (as CUDA's cudaEventSynchronize). A stream can be marked
+// as capturing (set_capturing, as in a CUDA graph capture): dtorch's registered capture
+// check refuses to wait for it. For the benchmarks: a kernel that stamps the time it ran, and an
+// anchor wake chain (kernel -> relay thread -> caller, two condition-variable hops).
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/Context.h>
@@ -25,7 +27,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
-#include "ops/internal_api.h"  // dtorch's blocking-wait registration (libdtorch_ops)
+#include "ops/internal_api.h"  // dtorch's device-event and capture registrations (libdtorch_ops)
 
 #include <array>
 #include <atomic>
@@ -189,6 +191,25 @@ struct Event {
   std::shared_ptr<EventState> state = std::make_shared<EventState>();
 };
 
+// Schedules the next version of `state` on `stream`: it completes when the stream reaches it.
+void RecordOn(const std::shared_ptr<EventState>& state, const c10::Stream& stream) {
+  uint64_t version;
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    version = ++state->recorded;
+  }
+  StreamWorker& worker = Runtime::Get().Stream(stream.device_index(), stream.id());
+  worker.Enqueue([state, version, &worker] {
+    auto fault = worker.Fault();
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->completed = std::max(state->completed, version);
+      if (fault) state->fault = fault;
+    }
+    state->cv.notify_all();
+  });
+}
+
 // ---- allocator ----
 
 std::mutex live_mu;
@@ -293,8 +314,18 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::Stream getNewStream(c10::Device d, int) const override {
     return c10::Stream(c10::Stream::UNSAFE, DeviceAt(Index(d)), Runtime::Get().NewStream());
   }
+  // As CUDA's: a few streams per device, handed out round robin (each stream has a worker thread).
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
-    return getNewStream(d, 0);
+    static constexpr int kPoolStreams = 4;
+    static std::array<std::array<std::atomic<c10::StreamId>, kPoolStreams>, kDeviceCount> pool{};
+    static std::atomic<uint32_t> next{0};
+    auto& slot = pool[Index(d)][next.fetch_add(1) % kPoolStreams];
+    c10::StreamId id = slot.load();
+    if (id == 0) {
+      c10::StreamId fresh = Runtime::Get().NewStream();
+      id = slot.compare_exchange_strong(id, fresh) ? fresh : id;
+    }
+    return c10::Stream(c10::Stream::UNSAFE, DeviceAt(Index(d)), id);
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
     auto previous = getStream(s.device());
@@ -306,22 +337,7 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
   void record(void** event, const c10::Stream& stream, const c10::DeviceIndex,
               const c10::EventFlag) const override {
     if (*event == nullptr) *event = new Event();
-    auto state = static_cast<Event*>(*event)->state;
-    uint64_t version;
-    {
-      std::lock_guard<std::mutex> lock(state->mu);
-      version = ++state->recorded;
-    }
-    StreamWorker& worker = Runtime::Get().Stream(stream.device_index(), stream.id());
-    worker.Enqueue([state, version, &worker] {
-      auto fault = worker.Fault();
-      {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->completed = std::max(state->completed, version);
-        if (fault) state->fault = fault;
-      }
-      state->cv.notify_all();
-    });
+    RecordOn(static_cast<Event*>(*event)->state, stream);
   }
   void block(void* event, const c10::Stream& stream) const override {
     if (event == nullptr) return;
@@ -367,20 +383,70 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, SimGuardImpl);
 
-// dtorch's detectors sleep here instead of polling (a slice at a time).
-bool BlockingEventWait(const c10::Event& event, std::chrono::microseconds timeout) {
-  void* id = event.eventId();
-  if (id == nullptr) return true;
-  auto& state = *static_cast<Event*>(id)->state;
-  std::unique_lock<std::mutex> lock(state.mu);
-  const bool done =
-      state.cv.wait_for(lock, timeout, [&] { return state.completed >= state.recorded; });
-  if (done) state.ThrowIfFaultLocked();
-  return done;
+// dtorch's detectors sleep on these instead of polling c10::Events: a slice at a time (timed), or
+// until the stream reaches the event (untimed, as CUDA's cudaEventSynchronize).
+class SimDeviceEvent final : public dtorch::DeviceEvent {
+ public:
+  SimDeviceEvent(std::shared_ptr<EventState> state, bool timed)
+      : state_(std::move(state)), timed_(timed) {}
+
+  bool Query() override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    const bool done = DoneLocked();
+    if (done) state_->ThrowIfFaultLocked();
+    return done;
+  }
+
+  bool Wait(std::chrono::microseconds timeout) override {
+    std::unique_lock<std::mutex> lock(state_->mu);
+    bool done = true;
+    if (timed_) {
+      done = state_->cv.wait_for(lock, timeout, [&] { return DoneLocked(); });
+    } else {
+      state_->cv.wait(lock, [&] { return DoneLocked(); });
+    }
+    if (done) state_->ThrowIfFaultLocked();
+    return done;
+  }
+
+  bool Timed() const override { return timed_; }
+
+ private:
+  bool DoneLocked() const { return state_->completed >= state_->recorded; }
+
+  const std::shared_ptr<EventState> state_;
+  const bool timed_;
+};
+
+class SimDeviceEvents final : public dtorch::DeviceEvents {
+ public:
+  explicit SimDeviceEvents(bool timed) : timed_(timed) {}
+  std::unique_ptr<dtorch::DeviceEvent> Record(const c10::Stream& stream) override {
+    auto state = std::make_shared<EventState>();
+    RecordOn(state, stream);
+    return std::make_unique<SimDeviceEvent>(std::move(state), timed_);
+  }
+
+ private:
+  const bool timed_;
+};
+
+// Leaked: registered recorders live for the process.
+SimDeviceEvents& timed_events = *new SimDeviceEvents(/*timed=*/true);
+SimDeviceEvents& untimed_events = *new SimDeviceEvents(/*timed=*/false);
+
+// Simulated graph capture: the streams marked capturing, which dtorch's capture check refuses.
+std::mutex capture_mu;
+std::set<std::pair<c10::DeviceIndex, c10::StreamId>> capturing;  // guarded by capture_mu
+
+bool IsCapturing(const c10::Stream& stream) {
+  std::lock_guard<std::mutex> lock(capture_mu);
+  return capturing.count({stream.device_index(), stream.id()}) > 0;
 }
 
-const bool blocking_wait_registered = [] {
-  dtorch::RegisterBlockingEventWait(kType, &BlockingEventWait);
+const bool registered_with_dtorch = [] {
+  dtorch::RegisterDeviceEvents(kType, &timed_events);
+  dtorch::RegisterCaptureCheck(kType, &IsCapturing);
   return true;
 }();
 
@@ -565,8 +631,21 @@ bool is_allocated(int64_t address) {
 
 int64_t stream_count() { return static_cast<int64_t>(Runtime::Get().StreamCount()); }
 
-void set_blocking_wait(bool enabled) {
-  dtorch::RegisterBlockingEventWait(kType, enabled ? &BlockingEventWait : nullptr);
+void set_blocking_wait(bool enabled, bool timed) {
+  dtorch::RegisterDeviceEvents(kType,
+                               enabled ? (timed ? &timed_events : &untimed_events) : nullptr);
+}
+
+// Marks the current stream (of the current device) as capturing, or not.
+void set_capturing(bool on) {
+  std::lock_guard<std::mutex> lock(capture_mu);
+  const std::pair<c10::DeviceIndex, c10::StreamId> key{current_device,
+                                                       current_stream[current_device]};
+  if (on) {
+    capturing.insert(key);
+  } else {
+    capturing.erase(key);
+  }
 }
 
 // ---- benchmark helpers ----
@@ -679,8 +758,11 @@ TORCH_LIBRARY(simdev, m) {
   // Whether the allocation starting at `address` (a data_ptr()) has not been freed yet.
   m.def("is_allocated(int address) -> bool", &simdev::is_allocated);
   m.def("stream_count() -> int", &simdev::stream_count);
-  // Registers (true) or removes (false) the blocking wait dtorch uses for simdev events.
-  m.def("set_blocking_wait(bool enabled) -> ()", &simdev::set_blocking_wait);
+  // Registers (true) or removes (false) the device events dtorch waits on for simdev (without:
+  // dtorch polls c10::Events); timed=False makes their waits untimed (as CUDA's).
+  m.def("set_blocking_wait(bool enabled, bool timed=True) -> ()", &simdev::set_blocking_wait);
+  // Marks the current stream as being captured into a graph (true) or not (false).
+  m.def("set_capturing(bool on) -> ()", &simdev::set_capturing);
   // A kernel on the current stream that records when it runs; returns its slot.
   m.def("stamp() -> int", &simdev::stamp_kernel);
   // When the stamp of `slot` ran (steady_clock ns), 0 if not yet.

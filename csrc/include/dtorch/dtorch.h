@@ -174,6 +174,9 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
   // the promise at call time, so that any other completion raises now; the producer then completes
   // with CompleteClaimed / FailClaimed, which never throw.
   void CheckValue(const T& value) const;
+  // Whether the kind copies the value out of this process (file): a device value must then be
+  // snapshotted on its stream before it is completed.
+  bool CopiesValueOut() const;
   void Claim(const char* producer);
   void CompleteClaimed(T value) noexcept;
   void FailClaimed(const std::string& message) noexcept;

@@ -1,0 +1,72 @@
+"""Many pending futures and per-device sync on a GPU: 10,000 pending futures over 40 busy streams
+stay within the detector cap (and none is ready early); library threads are idle meanwhile (no
+spinning: their CPU time is measured); sync waits for each device's current stream only.
+
+Runs on CUDA, or on the simulated device with DTORCH_GPU_TESTS=simdev (see conftest.py)."""
+import time
+
+import torch
+
+import dtorch_ops
+from conftest import WAIT_MS, detector_threads
+
+
+def library_cpu_seconds() -> float:
+    """CPU time of this process's threads named dtorch-* (utime + stime, from /proc)."""
+    import os
+
+    ticks = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if not f.read().startswith("dtorch-"):
+                    continue
+            with open(f"/proc/self/task/{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_10k_pending_futures_stay_within_the_detector_cap_without_spinning(gpu):
+    cap = dtorch_ops.config.max_detector_threads
+    x = torch.ones(4, device=gpu.name)
+    streams = [gpu.new_stream() for _ in range(40)]
+    releases, futures = [], []
+    for stream in streams:
+        with gpu.using_stream(stream):
+            releases.append(gpu.hold())  # busy: CUDA for 2 s, the simulated device until released
+    try:
+        cpu_before = library_cpu_seconds()
+        for i in range(10_000):
+            with gpu.using_stream(streams[i % len(streams)]):
+                futures.append(dtorch_ops.to_torch_async(x))
+        time.sleep(0.5)
+        assert not any(f.is_ready() for f in futures)
+        assert 1 <= detector_threads() <= cap
+        # Waiting threads sleep: well under a core's 0.5 s (CUDA: blocking-sync events; the
+        # simulated device: its blocking wait).
+        spent = library_cpu_seconds() - cpu_before
+        assert spent < 0.25, f"library threads used {spent:.2f} s of CPU in 0.5 s"
+    finally:
+        for release in releases:
+            release()
+    for future in futures:
+        assert torch.equal(future.wait(WAIT_MS).cpu(), torch.ones(4))
+    assert detector_threads() <= cap
+
+
+def test_sync_waits_for_each_devices_current_stream_only(gpu):
+    with gpu.side_stream():
+        release_side = gpu.hold()  # another stream's work: not waited for
+    try:
+        gpu.sleep(50)
+        started = time.monotonic()
+        collect = dtorch_ops.sync_async([f"{gpu.name}:0"])
+        assert not collect.is_ready()
+        collect.wait(WAIT_MS)
+        assert time.monotonic() - started < 1.5  # not the side stream's (CUDA: 2 s) hold
+        dtorch_ops.sync([f"{gpu.name}:0"])
+    finally:
+        release_side()
