@@ -254,6 +254,8 @@ void Promise<T>::SetValueFrom(T value, const char* caller) {
     }
     if (!value.device().is_cpu() && backend_->CopiesValueOut()) {
       // Device work may still be writing it: snapshotted on its stream, completed after that.
+      TORCH_CHECK(c10::raw::intrusive_ptr::use_count(this) > 0, "dtorch: a promise given a "
+                  "device tensor must be made with c10::make_intrusive (it completes later)");
       kernels::CompleteFromDevice(value, c10::intrusive_ptr<Promise>::reclaim_copy(this), caller);
       return;
     }

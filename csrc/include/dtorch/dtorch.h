@@ -142,7 +142,8 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
  public:
   static constexpr const char* kClassName = detail::PairNames<T>::kPromise;
   // kind: "memory" (same process) or "file" (processes of one host, through shared memory).
-  // Throws c10::ValueError for an unknown kind.
+  // Throws c10::ValueError for an unknown kind. Make promises with c10::make_intrusive (as
+  // every handle here is): a promise completed later (a device value) keeps a reference to itself.
   explicit Promise(const std::string& kind);
   // Made by the library (its backend type is internal; null: c10::ValueError).
   explicit Promise(std::unique_ptr<core::PromiseBackend<T>> backend);
@@ -153,7 +154,8 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
   static c10::intrusive_ptr<Promise> FromSerialized(const std::string& serialized);
 
   // Fulfils the promise with `value` (a memory future yields this very tensor; a file future a
-  // copy, so a file promise takes CPU tensors only). A second completion throws
+  // copy: of a CPU tensor made now, of a device tensor a snapshot queued now on its current
+  // stream and published once done). A second completion throws
   // FutureErrc::kPromiseAlreadySatisfied and the first value is kept.
   void SetValue(T value);
   // Fails the future with FutureErrc::kProducerError and `message`.
