@@ -78,7 +78,7 @@ class DeviceIpc {
 DTORCH_INTERNAL_API void RegisterDeviceIpc(c10::DeviceType type, DeviceIpc* ipc);
 // The type's DeviceIpc, nullptr when it has none (the simulated device has none). Inside the
 // library only.
-DeviceIpc* FindDeviceIpc(c10::DeviceType type);
+DTORCH_INTERNAL_API DeviceIpc* FindDeviceIpc(c10::DeviceType type);
 
 // ---- Event loops (asyncio's `await`).
 // torch.classes.dtorch.ReadyNotifier: an event loop's wake-up channel, an eventfd

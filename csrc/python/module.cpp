@@ -411,6 +411,10 @@ PYBIND11_MODULE(_C, m) {
     threads["doorbell"] = counts.doorbell;
     return threads;
   });
+  // Whether this build opens `device_type`'s memory of other processes (CUDA: built with it).
+  m.def("has_device_ipc", [](const std::string& device_type) {
+    return FindDeviceIpc(c10::Device(device_type).type()) != nullptr;
+  });
   m.def("encode_tensor_for_testing", [](const at::Tensor& value) {
     auto [header, payload] = internal::EncodeTensorForTesting(value);
     return py::make_tuple(py::bytes(header), py::bytes(payload));
