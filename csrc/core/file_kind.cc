@@ -286,7 +286,14 @@ class ChannelBase : public FileChannel {
       }
       b->payload_sequence = lease->sequence();
       lease->MarkPublished();
-      lease->HoldUntilReleased(std::move(keep));
+      try {
+        lease->HoldUntilReleased(std::move(keep));
+      } catch (const std::exception& e) {  // (no memory to note it: nothing is published)
+        lease->Withdraw();
+        fail(FutureError(FutureErrc::kProducerError,
+                         std::string("publishing the value failed: ") + e.what()));
+        throw;
+      }
     }
     b->payload_bytes = payload_bytes;
     b->header_bytes = static_cast<uint32_t>(header.size());
