@@ -274,8 +274,9 @@ inline c10::intrusive_ptr<TensorFuture> ToTorchAsync(const at::Tensor& input,
 
 // The promise kind for a pair whose promise a worker fulfils with `tensor`: "memory" for a CPU
 // tensor, or for any tensor unless per_device_per_process; "file" for a device tensor when each
-// device has its own worker process. A file promise carries CPU tensors: such a worker passes
-// tensor.cpu() to GetTensor or SetValue.
+// device has its own worker process: such a worker passes its device tensor to GetTensor (a
+// snapshot on its stream, published once done; the consumer receives it on its device, or on
+// the CPU with a "file://device=cpu" promise).
 DTORCH_API std::string PromiseKindFor(const at::Tensor& tensor, bool per_device_per_process);
 // A promise of that kind.
 DTORCH_API c10::intrusive_ptr<TensorPromise> TensorPromiseFor(const at::Tensor& tensor,
