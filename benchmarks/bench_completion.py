@@ -80,7 +80,7 @@ def latency(report, samples_by_work):
                            Anchor("dtorch, polling with back-off (no blocking wait)", polling)]))
 
 
-def _library_thread_cpu_ns():
+def library_thread_cpu_ns():
     """CPU time (ns) used so far by the library's threads (dtorch-*) alive now."""
     total = 0
     for task in os.listdir("/proc/self/task"):
@@ -108,9 +108,9 @@ def cpu_while_pending(report, seconds):
             torch.ops.simdev.sleep(int(seconds * 1000))
             future = dtorch_ops.to_torch_async(x)
             time.sleep(0.02)  # the detector is waiting for it now
-            cpu0, wall0 = _library_thread_cpu_ns(), time.monotonic_ns()
+            cpu0, wall0 = library_thread_cpu_ns(), time.monotonic_ns()
             future.wait(60_000)
-            cpu1, wall1 = _library_thread_cpu_ns(), time.monotonic_ns()
+            cpu1, wall1 = library_thread_cpu_ns(), time.monotonic_ns()
         finally:
             torch.ops.simdev.set_blocking_wait(True)
         shares[label] = (cpu1 - cpu0) / (wall1 - wall0) * 100

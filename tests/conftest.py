@@ -120,11 +120,15 @@ def consumer_segments() -> set:
     return {name for name in os.listdir("/dev/shm") if name.startswith(mine) and name != doorbell}
 
 
-def assert_no_new_segments(before: set, within_s: float = 5.0) -> None:
-    """Fails unless every segment of this process not in `before` is gone within `within_s`."""
+@pytest.fixture
+def nothing_left_in_dev_shm():
+    """Fails a test after which a segment of this process (consumer_segments) it made is still in
+    /dev/shm 5 s later (file-kind modules use it for every test)."""
     import gc
 
-    deadline = time.monotonic() + within_s
+    before = consumer_segments()
+    yield
+    deadline = time.monotonic() + 5.0
     while True:
         gc.collect()
         left = consumer_segments() - before

@@ -14,16 +14,12 @@ import torch
 import dtorch_ops
 import file_device_workers as workers
 import simdev
-from conftest import WAIT_MS, assert_no_new_segments, consumer_segments
+from conftest import WAIT_MS
 from producer_process import ProducerProcess
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_in_dev_shm():
-    simdev.load()
-    before = consumer_segments()
-    yield
-    assert_no_new_segments(before)
+simdev.load()
+pytestmark = pytest.mark.usefixtures("nothing_left_in_dev_shm")
 
 
 @pytest.fixture(scope="module")

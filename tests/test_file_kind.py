@@ -20,16 +20,9 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_
 import dtorch_ops
 import file_producers
 from producer_process import ProducerProcess
-from conftest import WAIT_MS, assert_no_new_segments, consumer_segments
+from conftest import WAIT_MS
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_in_dev_shm():
-    before = consumer_segments()
-    yield
-    assert_no_new_segments(before)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("nothing_left_in_dev_shm")]
 
 
 @pytest.fixture(scope="module")

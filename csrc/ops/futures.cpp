@@ -84,6 +84,7 @@ struct FileCodecs<at::Tensor> {
   static std::shared_ptr<const TensorCodec> ForSerialized(std::string_view value_options) {
     return TensorCodec::ForSerialized(value_options);
   }
+  static std::string_view OptionsOf(const TensorCodec& codec) { return codec.Options(); }
 };
 template <>
 struct FileCodecs<core::Unit> {
@@ -101,6 +102,7 @@ struct FileCodecs<core::Unit> {
     }
     return ForNewPair("");
   }
+  static std::string_view OptionsOf(const core::UnitCodec&) { return {}; }
 };
 
 template <typename T>
@@ -113,13 +115,6 @@ const core::KindRegistry<T>& Kinds() {
                                     " kind '" + std::string(kind) + "' takes no options");
       }
     };
-    const auto options_of = [](const auto& codec) -> std::string_view {
-      if constexpr (std::is_same_v<T, at::Tensor>) {
-        return codec.Options();
-      } else {
-        return {};
-      }
-    };
     kinds.Register(core::kMemoryKind,
                    {[no_options](std::string_view options) {
                       no_options(core::kMemoryKind, options);
@@ -127,13 +122,14 @@ const core::KindRegistry<T>& Kinds() {
                     },
                     nullptr, ""});
     kinds.Register(core::kFileKind,
-                   {[options_of](std::string_view options) {
+                   {[](std::string_view options) {
                       const auto codec = FileCodecs<T>::ForNewPair(options);
-                      return std::make_unique<core::FilePromise<T>>(codec, options_of(*codec));
+                      return std::make_unique<core::FilePromise<T>>(
+                          codec, FileCodecs<T>::OptionsOf(*codec));
                     },
                     [](std::string_view rest) {
                       auto handle = core::FileHandle::Parse(
-                          rest, FileCodecs<T>::ForNewPair("")->TypeName());
+                          rest, FileCodecs<T>::ForSerialized("")->TypeName());
                       auto codec = FileCodecs<T>::ForSerialized(handle.value_options);
                       return std::make_unique<core::FilePromise<T>>(std::move(handle),
                                                                     std::move(codec));

@@ -2,14 +2,12 @@
 
 #include <cstring>
 #include <limits>
-#include <optional>
 #include <vector>
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/from_blob.h>
-#include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -72,17 +70,22 @@ bool HasDevice(c10::DeviceType type, c10::DeviceIndex index) {
 // returns. Made on a stream of the library's on `stream_device`, not on the current stream, which
 // may be queued with the consumer's unrelated work; the memory is allocated on the current stream,
 // which then uses it (the side stream's copy is over before anything else can touch it).
+// A stream of the library's on `device` for its copies (a backend without a stream pool: the
+// current one).
+c10::Stream LibraryStream(c10::Device device) {
+  const c10::impl::VirtualGuardImpl guard(device.type());
+  try {
+    return guard.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  } catch (const c10::Error&) {
+    return guard.getStream(device);
+  }
+}
+
 at::Tensor CopyOnSideStream(const at::Tensor& source, c10::Device to, c10::Device stream_device) {
   at::Tensor copy = at::empty_strided(source.sizes(), source.strides(),
                                       source.options().device(to));
   const c10::impl::VirtualGuardImpl guard(stream_device.type());
-  const c10::DeviceGuard on_device(stream_device);
-  std::optional<c10::StreamGuard> on_side_stream;
-  try {
-    on_side_stream.emplace(guard.getStreamFromGlobalPool(stream_device, /*isHighPriority=*/false));
-  } catch (const c10::Error&) {
-    // (A backend without a stream pool: its current stream.)
-  }
+  const c10::StreamGuard on_side_stream(LibraryStream(stream_device));  // (and its device)
   copy.copy_(source);
   // A device-to-device copy is queued even when not non_blocking: wait for it.
   c10::Event copied(stream_device.type());
@@ -255,13 +258,7 @@ void TensorCodec::WritePayload(const at::Tensor& value, void* payload,
   }
   // A device value (whose device work has finished): copied to the host on a stream of the
   // library's, not the device's default one, which may be queued behind the user's later work.
-  const c10::impl::VirtualGuardImpl guard(value.device().type());
-  std::optional<c10::StreamGuard> on_side_stream;
-  try {
-    on_side_stream.emplace(guard.getStreamFromGlobalPool(value.device(), /*isHighPriority=*/false));
-  } catch (const c10::Error&) {
-    // (A backend without a stream pool: its current stream.)
-  }
+  const c10::StreamGuard on_side_stream(LibraryStream(value.device()));
   staged.copy_(value);  // blocking: done when it returns
 }
 

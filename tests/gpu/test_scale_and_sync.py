@@ -3,6 +3,8 @@ stay within the detector cap (and none is ready early); library threads are idle
 spinning: their CPU time is measured); sync waits for each device's current stream only.
 
 Runs on CUDA, or on the simulated device with DTORCH_GPU_TESTS=simdev (see conftest.py)."""
+import os
+import sys
 import time
 
 import torch
@@ -10,23 +12,9 @@ import torch
 import dtorch_ops
 from conftest import WAIT_MS, detector_threads
 
-
-def library_cpu_seconds() -> float:
-    """CPU time of this process's threads named dtorch-* (utime + stime, from /proc)."""
-    import os
-
-    ticks = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                if not f.read().startswith("dtorch-"):
-                    continue
-            with open(f"/proc/self/task/{task}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])
-        except OSError:
-            pass
-    return ticks / os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "benchmarks"))
+from bench_completion import library_thread_cpu_ns  # noqa: E402
 
 
 def test_10k_pending_futures_stay_within_the_detector_cap_without_spinning(gpu):
@@ -38,7 +26,7 @@ def test_10k_pending_futures_stay_within_the_detector_cap_without_spinning(gpu):
         with gpu.using_stream(stream):
             releases.append(gpu.hold())  # busy: CUDA for 2 s, the simulated device until released
     try:
-        cpu_before = library_cpu_seconds()
+        cpu_before = library_thread_cpu_ns()
         for i in range(10_000):
             with gpu.using_stream(streams[i % len(streams)]):
                 futures.append(dtorch_ops.to_torch_async(x))
@@ -47,7 +35,7 @@ def test_10k_pending_futures_stay_within_the_detector_cap_without_spinning(gpu):
         assert 1 <= detector_threads() <= cap
         # Waiting threads sleep: well under a core's 0.5 s (CUDA: blocking-sync events; the
         # simulated device: its blocking wait).
-        spent = library_cpu_seconds() - cpu_before
+        spent = (library_thread_cpu_ns() - cpu_before) / 1e9
         assert spent < 0.25, f"library threads used {spent:.2f} s of CPU in 0.5 s"
     finally:
         for release in releases:
