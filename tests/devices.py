@@ -61,6 +61,22 @@ class SimDev:
         torch.ops.simdev.fail(message)
 
 
+def _warm_kernels():
+    """Launches once the CUDA kernels the tests queue behind a sleep (see Cuda.sleep)."""
+    for dtype in (torch.float32, torch.int64, torch.uint8):
+        x = torch.ones(8, device="cuda", dtype=dtype)
+        y = x * 2 + x * 3
+        y.fill_(-1 if dtype != torch.uint8 else 1)
+        y.clone().copy_(x)
+        torch.zeros(4, device="cuda", dtype=dtype)
+        torch.arange(6, device="cuda", dtype=dtype).reshape(2, 3).t().contiguous()
+        x[0] * 3
+        x.sum()
+    x = torch.randn(64, 64, device="cuda")
+    (x @ x).mean().item()
+    torch.cuda.synchronize()
+
+
 class Cuda:
     name = "cuda"
     can_inject_faults = False  # a device-side fault poisons the CUDA context of the process
@@ -69,8 +85,15 @@ class Cuda:
         self._cycles_per_ms = None
 
     def sleep(self, ms):
-        """A kernel that spins for at least `ms` (torch.cuda._sleep counts clock cycles)."""
+        """A kernel that spins for at least `ms` (torch.cuda._sleep counts clock cycles).
+
+        CUDA loads a kernel's module when it is first launched (lazy loading, the default), and
+        that load waits for the kernels running: the first `x * 2` of a process queued behind a
+        sleep blocks the host until the sleep ends, and the tests would then see finished work
+        where they expect pending work (seen on the GPU machine). So the first sleep of a
+        process first launches the kernels the tests compute behind sleeps."""
         if self._cycles_per_ms is None:
+            _warm_kernels()
             # An idle GPU runs at a fraction of its boost clock: the fastest of a few timed runs
             # is the boost rate, so that a sleep lasts at least `ms` whatever the clock then.
             rates = []
@@ -131,17 +154,24 @@ class Cuda:
 
 
 def available():
-    """The simulated device (it must build: in CI a failure is an error) and CUDA if present."""
-    import os
-    import warnings
+    """The devices the parametrized device tests (the `dev` fixture) run on in this process: CUDA
+    where torch sees a GPU, else the simulated device (it must build: in CI a failure is an error).
 
-    devices = []
-    try:
-        devices.append(SimDev())
-    except Exception as e:  # noqa: BLE001 - reported below
-        if os.environ.get("CI") or not torch.cuda.is_available():
-            raise
-        warnings.warn(f"the simulated device did not build ({e}); testing CUDA only")
-    if torch.cuda.is_available():
-        devices.append(Cuda())
-    return devices
+    Never both by default: once a PrivateUse1 backend (the simulated device) is registered, torch
+    takes it for the process's accelerator (at::getAccelerator), so CUDA's autograd nodes report no
+    stream (the engine's "opt_ready_stream && opt_parent_stream" assert in a compiled step's
+    backward) and pinned host memory comes from its allocator instead of CUDA's (a CUDA copy into
+    it is not asynchronous). Seen on the GPU machine. DTORCH_TEST_DEVICES=simdev, =cuda or
+    =simdev,cuda chooses (scripts/device_check.sh runs each test file in its own process)."""
+    import os
+
+    cuda = torch.cuda.is_available()
+    asked = os.environ.get("DTORCH_TEST_DEVICES", "").replace(" ", "") or (
+        "cuda" if cuda else "simdev")
+    names = asked.split(",")
+    unknown = set(names) - {"simdev", "cuda"}
+    if unknown or not names:
+        raise ValueError(f"DTORCH_TEST_DEVICES={asked!r}: expected simdev, cuda or simdev,cuda")
+    if "cuda" in names and not cuda:
+        raise RuntimeError(f"DTORCH_TEST_DEVICES={asked!r}, but torch sees no CUDA device")
+    return [SimDev() if name == "simdev" else Cuda() for name in names]

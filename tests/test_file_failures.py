@@ -626,6 +626,19 @@ def single_character_variants(handle: str) -> list:
     return variants
 
 
+# Every value option a serialized tensor promise may carry ("" for none): TensorCodec's closed set.
+VALUE_OPTIONS = ("", "ipc", "zero_copy", "device=cpu")
+
+
+def with_other_value_options(handle: str) -> list:
+    """`handle` with its value options stripped, replaced by each other valid one, or appended
+    where it had none: valid handles naming the same pair, with a delivery its consumer did not
+    choose."""
+    base = ":".join(handle.split(":")[:6])
+    variants = [base + (":" + options if options else "") for options in VALUE_OPTIONS]
+    return [variant for variant in variants if variant != handle]
+
+
 def make_decoy_segments(prefix: str) -> dict:
     """Files in /dev/shm with names of dtorch's form (owned by this live process, so nobody reaps
     them meanwhile) that are not control segments: kind -> name."""
@@ -660,14 +673,20 @@ def test_from_serialized_refuses_untrusted_handles(producer):
     handle either fails to parse (InvalidHandleError / ValueError / TypeError), or its first use
     (set_value) raises a dtorch error (a RuntimeError) or does nothing. No crash, no hang, and
     nothing reaches the real pairs: they stay pending and then take values through their
-    genuine handles."""
+    genuine handles. A third real pair has explicit value options (as a CUDA build's default
+    pair has "ipc"): its handle truncated at the options' field, or with other options, is a
+    valid handle of another delivery, refused at use."""
     real, real_future = file_pair()
     void_real, void_future = file_pair(dtorch_ops.VoidPromise)
-    handle, void_handle = real.serialize(), void_real.serialize()
+    cpu_real = dtorch_ops.TensorPromise(kind="file", device="cpu")
+    cpu_future = cpu_real.get_future()
+    handle, void_handle, cpu_handle = real.serialize(), void_real.serialize(), cpu_real.serialize()
+    assert cpu_handle.endswith(":device=cpu")
     magic, version, kind, type_name, segment, nonce, *_ = handle.split(":")
     prefix = own_name_prefix()
     assert segment.startswith(prefix)
-    doorbells = names_owned_by({os.getpid()}) - {segment, segment_of(void_handle)}
+    doorbells = names_owned_by({os.getpid()}) - {segment, segment_of(void_handle),
+                                                  segment_of(cpu_handle)}
     other_nonce = os.urandom(16).hex()
     non_dtorch = os.path.join(SHM, f"not_dtorch_fuzz_{os.getpid()}")
     with open(non_dtorch, "wb") as f:
@@ -698,6 +717,9 @@ def test_from_serialized_refuses_untrusted_handles(producer):
             ("TensorPromise", with_segment(segment_of(void_handle), void_handle.split(":")[5]),
              "its value type or creator does not match"),
         ]
+        # Valid handles of the real tensor pairs with other value options than the consumer's.
+        altered_options = {variant for genuine in (handle, cpu_handle)
+                           for variant in with_other_value_options(genuine)}
         malformed = [
             "", ":", "::::::", "dtorch-promise", "dtorch-promise:1", "dtorch-promise:1:file:",
             "dtorch-promise:1:file:tensor", "dtorch-promise:1:file:tensor::",
@@ -722,13 +744,17 @@ def test_from_serialized_refuses_untrusted_handles(producer):
             handle + "é", "x" * 513, "dtorch-promise:1:file:" + "a" * 1_000_000,
             "dtorch-promise:1:file:tensor:" + ":".join(["x"] * 100),
         ]
-        generated = ([handle[:k] for k in range(len(handle))] + single_character_variants(handle))
+        generated = [variant for genuine in (handle, cpu_handle)
+                     for variant in [genuine[:k] for k in range(len(genuine))] +
+                     single_character_variants(genuine)]
         variants = [("TensorPromise", text) for text in malformed + generated]
         variants += [("TensorPromise", text) for text in refused_at_use]
+        variants += [("TensorPromise", text) for text in sorted(altered_options)]
         variants += [(cls, text) for cls, text, _ in typed_variants]
         variants += [("TensorPromise", void_handle)]  # a VoidPromise's handle
         variants = [(cls, text) for cls, text in dict.fromkeys(variants)
-                    if (cls, text) not in {("TensorPromise", handle), ("VoidPromise", void_handle)}]
+                    if (cls, text) not in {("TensorPromise", handle), ("VoidPromise", void_handle),
+                                           ("TensorPromise", cpu_handle)}]
 
         code = "import file_workers; file_workers.fuzz_from_serialized_main()"
         returncode, out, err = run_python(code, stdin=json.dumps(variants), timeout_s=150)
@@ -753,6 +779,10 @@ def test_from_serialized_refuses_untrusted_handles(producer):
         for text, words in refused_at_use.items():
             result = by_variant[("TensorPromise", text)]
             assert result["stage"] == "use" and words in result["message"], (text, result)
+        for text in altered_options:
+            result = by_variant[("TensorPromise", text)]
+            assert result["stage"] == "use" and result["invalid_handle"], (text, result)
+            assert "value options are not the consumer's" in result["message"], (text, result)
         for cls, text, words in typed_variants:
             result = by_variant[(cls, text)]
             assert result["stage"] == "use" and result["invalid_handle"], (text, result)
@@ -775,10 +805,52 @@ def test_from_serialized_refuses_untrusted_handles(producer):
 
     # Nothing reached the real pairs: still pending; their genuine handles still work.
     assert not real_future.is_ready() and not void_future.is_ready()
+    assert not cpu_future.is_ready()
     producer.call(file_workers.produce, handle, 7.0)
     assert real_future.wait(WAIT_MS).tolist() == [7.0] * 16
+    producer.call(file_workers.produce, cpu_handle, 8.0)
+    assert cpu_future.wait(WAIT_MS).tolist() == [8.0] * 16
     producer.call(file_workers.produce_void, void_handle)
     assert void_future.wait(WAIT_MS) is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("options", [{}, {"device": "cpu"}, {"zero_copy": True}],
+                         ids=["default", "device_cpu", "zero_copy"])
+def test_a_handle_with_other_value_options_is_refused(producer, options):
+    """The value options (the consumer's choice of delivery) are bound to the pair: a handle with
+    them stripped, changed to another valid option or appended is refused with
+    InvalidHandleError (at from_serialized or at first use) before anything is claimed, in a
+    producer process and in this one, also once this process is attached through the genuine
+    handle. The pair stays pending, and its genuine handle delivers."""
+    if options.get("zero_copy") and not dtorch_ops._C.has_device_ipc("cuda"):
+        pytest.skip("zero_copy needs a dtorch_ops built with CUDA")
+    promise = dtorch_ops.TensorPromise(kind="file", **options)
+    future = promise.get_future()
+    handle = promise.serialize()
+    variants = with_other_value_options(handle)
+    assert len(variants) == len(VALUE_OPTIONS) - 1
+
+    def refused_here(text):
+        with pytest.raises(errors.InvalidHandleError):
+            dtorch_ops.TensorPromise.from_serialized(text).set_value(torch.ones(1))
+
+    for text in variants:
+        with pytest.raises(errors.InvalidHandleError):
+            producer.call(file_workers.produce, text, 1.0)
+        refused_here(text)
+    # This process attached through the genuine handle (a refused value claims nothing): a
+    # tampered handle of the same segment is still checked, not served the attachment.
+    genuine = dtorch_ops.TensorPromise.from_serialized(handle)
+    with pytest.raises(RuntimeError, match="meta"):
+        genuine.set_value(torch.empty(3, device="meta"))
+    for text in variants:
+        refused_here(text)
+
+    assert not future.is_ready()
+    producer.call(file_workers.produce, handle, 3.0)
+    assert future.wait(WAIT_MS).tolist() == [3.0] * 16
+    del genuine
 
 
 # ---- 9, 10. resources at scale ------------------------------------------------------------------

@@ -35,10 +35,12 @@ using std::chrono::milliseconds;
 
 constexpr uint64_t kControlMagic = 0x3170666863726f74ULL;  // "torchfp1" (little-endian)
 constexpr uint64_t kDoorbellMagic = 0x3162646863726f74ULL;  // "torchdb1"
-constexpr uint32_t kLayoutVersion = 2;
+// 3: the consumer's value options are recorded in the block (a handle must name the same).
+constexpr uint32_t kLayoutVersion = 3;
 constexpr size_t kSegmentBytes = 4096;  // a control segment and a doorbell: one page each
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kTypeNameBytes = 16;
+constexpr size_t kMaxValueOptionsBytes = 32;  // FileHandle::value_options
 constexpr uint32_t kMaxProducers = 32;
 constexpr size_t kMaxDetailBytes = 1024;
 constexpr size_t kNameField = shm::kMaxSegmentNameBytes + 1;  // NUL-terminated
@@ -89,6 +91,8 @@ struct FileControlBlock {
   uint32_t layout_version;
   char type_name[kTypeNameBytes];
   unsigned char nonce[kNonceBytes];
+  // The consumer's choice of delivery, NUL-terminated: a producer delivers only as it chose.
+  char value_options[kMaxValueOptionsBytes + 1];
   int32_t creator_pid;
   uint64_t creator_start;
   char doorbell[kNameField];
@@ -355,6 +359,8 @@ class ProducerAttachment final : public ChannelBase {
       : ChannelBase(std::move(control), slot, std::move(doorbell)), slot_(slot), pid_(shm::CurrentPid()) {}
 
   ~ProducerAttachment() override { Leave(kDropped); }
+
+  const FileControlBlock* control_block() const { return block(); }
 
   // This process no longer produces: its handles are gone (kDropped) or it exits (kExited).
   void Leave(uint32_t why) noexcept {
@@ -976,7 +982,7 @@ std::shared_ptr<shm::Segment> ProducerDoorbell(ProcessState& state, const std::s
 // ---------------------------------------------------------------------------------------------
 
 static bool ValidValueOptions(std::string_view options) {
-  return options.size() <= 32 &&
+  return options.size() <= kMaxValueOptionsBytes &&
          std::all_of(options.begin(), options.end(), [](char c) {
            return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '=';
          });
@@ -1051,20 +1057,10 @@ std::shared_ptr<shm::Segment> MapFileControlSegment(const FileHandle& handle) no
   }
 }
 
-std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
-                                                std::shared_ptr<shm::Segment> mapped) {
-  ProcessState& state = *process_state;
-  {
-    std::lock_guard<std::mutex> lock(state.mu);
-    const auto it = state.attachments.find(handle.segment);
-    if (it != state.attachments.end()) {
-      if (auto attached = it->second.lock()) return attached;
-    }
-  }
-  std::shared_ptr<shm::Segment> control =
-      mapped ? std::move(mapped) : shm::Segment::Open(handle.segment, kSegmentBytes);
-  if (!control) return nullptr;  // the pair is gone
-  auto* block = static_cast<FileControlBlock*>(control->data());
+// Throws FutureError(kInvalidHandle) unless `block` (a mapped control segment: untrusted, read
+// within its fields' bounds) is the pair `handle` names: its format, nonce, value type, creator
+// and the consumer's value options. Nothing is registered or claimed before this passes.
+static void CheckControlBlock(const FileControlBlock* block, const FileHandle& handle) {
   unsigned char nonce[kNonceBytes];
   ParseHex(handle.nonce_hex, nonce, kNonceBytes);  // validated by Parse
   shm::ProcessId owner;
@@ -1086,6 +1082,35 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
       block->creator_pid != owner.pid || block->creator_start != owner.start_time) {
     throw InvalidSegment(handle.segment, "its value type or creator does not match");
   }
+  // (A field without its NUL reads as one character too many: it matches no handle.)
+  if (std::string_view(block->value_options,
+                       strnlen(block->value_options, sizeof(block->value_options))) !=
+      handle.value_options) {
+    throw InvalidSegment(handle.segment,
+                         "its value options are not the consumer's: the handle was altered; "
+                         "pass the string from serialize() unchanged");
+  }
+}
+
+std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
+                                                std::shared_ptr<shm::Segment> mapped) {
+  ProcessState& state = *process_state;
+  std::shared_ptr<ProducerAttachment> existing;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    const auto it = state.attachments.find(handle.segment);
+    if (it != state.attachments.end()) existing = it->second.lock();
+  }
+  if (existing) {
+    // Attached through another handle of this segment: this one must name the same pair too.
+    CheckControlBlock(existing->control_block(), handle);
+    return existing;
+  }
+  std::shared_ptr<shm::Segment> control =
+      mapped ? std::move(mapped) : shm::Segment::Open(handle.segment, kSegmentBytes);
+  if (!control) return nullptr;  // the pair is gone
+  auto* block = static_cast<FileControlBlock*>(control->data());
+  CheckControlBlock(block, handle);
   const std::string doorbell_name = ReadName(block->doorbell);
   if (!shm::ParseSegmentName(doorbell_name)) {
     throw InvalidSegment(handle.segment, "its doorbell's name is corrupt");
@@ -1167,6 +1192,7 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name,
   shm::RandomBytes(block->nonce, kNonceBytes);
   handle.nonce_hex = shm::HexOf(block->nonce, kNonceBytes);
   std::memcpy(block->type_name, type_name.data(), type_name.size());
+  std::memcpy(block->value_options, value_options.data(), value_options.size());
   block->creator_pid = self.pid;
   block->creator_start = self.start_time;
   WriteName(block->doorbell, state.doorbell_name);

@@ -3,12 +3,13 @@
 //
 // Roles. The process that creates the pair (the consumer) owns a control segment: one page
 // holding the completion's state word, the table of producer processes, and the completion
-// itself (an error, or a value's header and the name of its payload segment). The promise is
-// serialized ("dtorch-promise:1:file:<type>:<segment>:<nonce>") and shipped to producers; a
+// itself (an error, or a value's header and the name of its payload segment), and what a handle
+// must match: a nonce, the value type and the consumer's value options. The promise is serialized
+// ("dtorch-promise:1:file:<type>:<segment>:<nonce>[:<options>]") and shipped to producers; a
 // producer attaches on first use (not on deserialization: tracing, jit.load and export.load make
-// copies that never produce), registering its process in the table. (Deserializing maps the
-// control segment ahead, registering nothing: a promise shipped ahead of its value is set
-// without a system call for it.)
+// copies that never produce), checking the handle against the segment before it registers its
+// process in the table. (Deserializing maps the control segment ahead, registering nothing: a
+// promise shipped ahead of its value is set without a system call for it.)
 //
 // Completing. The state word goes pending -> claimed (by one handle, a compare-and-swap: fulfil
 // once, across processes) -> value or error, the last step a compare-and-swap from that same
@@ -73,7 +74,8 @@ struct FileHandle {
   std::string segment;    // the control segment
   std::string nonce_hex;  // 32 hex digits; must match the nonce stored in the segment
   // The consumer's options for the value (its codec's, e.g. "device=cpu"): [a-z0-9_=]{0,32},
-  // empty for none; checked by the codec.
+  // empty for none; checked by the codec, and must match the options the consumer recorded in
+  // the segment (a producer delivers only as the consumer chose).
   std::string value_options;
 
   std::string Serialize() const;
@@ -117,8 +119,10 @@ class FileChannel {
 
 // Attaches this process to the pair `handle` names, as a producer (one attachment per process and
 // pair, shared by its handles). nullptr when the pair is gone (its future was taken or dropped, or
-// its consumer exited): there is nobody to deliver to. Throws FutureError(kInvalidHandle) for a
-// segment that is not the one the handle names, kBrokenPromise when the promise's lock was left
+// its consumer exited): there is nobody to deliver to. Throws FutureError(kInvalidHandle), before
+// registering anything, for a segment that is not the one the handle names (its nonce, value type,
+// creator or value options differ; also when this process is already attached to that segment
+// through another handle), kBrokenPromise when the promise's lock was left
 // by a producer that died holding it, kSharedMemory when mapping fails.
 // `mapped`: the control segment MapFileControlSegment mapped ahead, if it could.
 std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,

@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/core/ScalarType.h>
@@ -455,6 +456,9 @@ class CudaIpc final : public DeviceIpc {
       CheckFits(r.offset, span, exported->end, r.pid);
       data = exported->segment_base + r.offset;
     } else {
+      // torch's CUDA state (its caching allocator, which maps the handle) is set up lazily, on
+      // the first CUDA tensor: a consumer whose first CUDA use is this value has none yet.
+      at::globalContext().lazyInitDevice(c10::kCUDA);
       const c10::cuda::CUDAGuard guard(view->device);  // torch maps on the current device
       try {
         view->mapping = c10::cuda::CUDACachingAllocator::getIpcDevPtr(r.handle);

@@ -24,12 +24,20 @@ def test_10k_pending_futures_stay_within_the_detector_cap_without_spinning(gpu):
     releases, futures = [], []
     for stream in streams:
         with gpu.using_stream(stream):
-            releases.append(gpu.hold())  # busy: CUDA for 2 s, the simulated device until released
+            if gpu.name == "cuda":
+                # Busy for longer than the 10,000 calls take: each takes a new blocking-sync
+                # event while the pool has none free (4.2 s for 10,000 on the H200 machine).
+                gpu.sleep(15_000)
+                releases.append(lambda: None)
+            else:
+                releases.append(gpu.hold())  # busy until released
     try:
         cpu_before = library_thread_cpu_ns()
+        issued = time.perf_counter()
         for i in range(10_000):
             with gpu.using_stream(streams[i % len(streams)]):
                 futures.append(dtorch_ops.to_torch_async(x))
+        print(f"10,000 to_torch_async calls took {time.perf_counter() - issued:.2f} s")
         time.sleep(0.5)
         assert not any(f.is_ready() for f in futures)
         assert 1 <= detector_threads() <= cap
