@@ -14,6 +14,7 @@ import bench_asyncio  # noqa: E402
 import bench_compile  # noqa: E402
 import bench_completion  # noqa: E402
 import bench_file  # noqa: E402
+import bench_network  # noqa: E402
 import bench_roundtrip  # noqa: E402
 import bench_scale  # noqa: E402
 import bench_sync  # noqa: E402
@@ -41,6 +42,8 @@ def main():
                           seconds=0.3 if quick else 1.0)
     bench_file.main(report, rounds=3 if quick else 5, samples=60 if quick else 200,
                     sizes_mib=(1, 64) if quick else (1, 64, 512), repeats=3 if quick else 6)
+    bench_network.main(report, rounds=3 if quick else 5, samples=30 if quick else 100,
+                       mib=16 if quick else 64, repeats=5 if quick else 7)
     bench_compile.main(report, steps=10 if quick else 30, rounds=3 if quick else 5,
                        backend="aot_eager" if quick else "inductor")
     bench_compile.main_future_in_graph(report, rounds=3 if quick else 7,

@@ -106,14 +106,17 @@ from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.comp
 
 
 def library_threads() -> dict:
-    """The library's threads alive now, by role: ``{"detectors": n, "pool": m, "doorbell": d}``.
+    """The library's threads alive now, by role:
+    ``{"detectors": n, "pool": m, "doorbell": d, "network": k}``.
 
     Detectors (named ``dtorch-detect`` in ``ps -L``, ``/proc``, gdb) watch device streams with
     pending values: at most one per such stream, up to ``config.max_detector_threads``; they exit
     after ``config.detector_idle_exit_s`` without work. The pool (``dtorch-pool``,
     ``config.pool_threads``) runs long completion work and starts on its first use. The doorbell
     watcher (``dtorch-doorbell``, at most one) serves this process's pending file futures
-    (callbacks, ``await``, producer liveness) and exits when there are none."""
+    (callbacks, ``await``, producer liveness) and exits when there are none. The network kind's
+    (``dtorch-net-watch``, one per store this process awaits values from, and ``dtorch-net-tick``,
+    at most one: heartbeats and liveness) run while network pairs are in flight."""
     return _C.library_threads()
 
 

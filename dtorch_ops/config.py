@@ -71,6 +71,11 @@ class Config:
         "File promises: how long a promise in flight (serialized, pickled, or inherited by a "
         "forked child) whose creator dropped its handle waits for a producer process to attach "
         "before its future fails with 'no producer attached' (default 30.0).")
+    network_heartbeat_timeout_s = _LibrarySetting(
+        _C.network_heartbeat_timeout_ms, _C.set_network_heartbeat_timeout_ms, float, 1000,
+        "Network promises: a process with network pairs in flight bumps its heartbeat in the "
+        "store every 0.5 s; how long a producer's heartbeat may stand still before its "
+        "consumers count it dead and fail the futures it was to set (default 5.0, at least 1.0).")
     file_payload_idle_s = _LibrarySetting(
         _C.payload_idle_ms, _C.set_payload_idle_ms, float, 1000,
         "File promises: a producer writes each value into a shared-memory segment that it and "
@@ -80,7 +85,7 @@ class Config:
     def __repr__(self):
         names = ("per_device_per_process", "max_detector_threads", "detector_idle_exit_s",
                  "pool_threads", "exit_timeout_s", "attach_timeout_s",
-                 "file_payload_idle_s")
+                 "network_heartbeat_timeout_s", "file_payload_idle_s")
         return "dtorch_ops.Config(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 
 

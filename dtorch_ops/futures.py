@@ -593,6 +593,8 @@ def _kind_spec(name: str, kind: str, options: dict) -> str:
     ("file://device=cpu"). TensorPromise(kind="file") takes device="cpu" (the consumer receives
     CPU tensors) and zero_copy=True (a CUDA value arrives as the IPC view of the producer's memory,
     not copied)."""
+    if kind == "network":
+        return _network_spec(name, options)
     if not options:
         return kind
     if name != "TensorPromise" or kind != "file":
@@ -616,6 +618,48 @@ def _kind_spec(name: str, kind: str, options: dict) -> str:
     if device is not None:
         return "file://device=cpu"
     return "file://zero_copy" if zero_copy else "file"
+
+
+def _store_address(store) -> str:
+    """"host:port" of the TCPStore `store` is (or wraps, as a PrefixStore does), or `store` itself
+    when it is that string already."""
+    if isinstance(store, str):
+        return store  # checked by the library
+    import torch.distributed as dist
+
+    seen = store
+    while isinstance(seen, dist.PrefixStore):
+        seen = seen.underlying_store
+    if isinstance(seen, dist.TCPStore):
+        host = seen.host
+        return f"[{host}]:{seen.port}" if ":" in host else f"{host}:{seen.port}"
+    raise TypeError(
+        f"store= takes a torch.distributed.TCPStore (or a PrefixStore over one, as the default "
+        f"group's store is) or its address \"host:port\", got {type(store).__name__}: the "
+        f"network kind needs a store that other hosts can reach")
+
+
+def _network_spec(name: str, options: dict) -> str:
+    """"network://host:port[?device=cpu]" from TensorPromise(kind="network", store=...,
+    device="cpu")."""
+    allowed = {"store", "device"} if name == "TensorPromise" else {"store"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"dtorch_ops.{name}(kind='network') takes the options "
+                        f"{', '.join(sorted(a + '=' for a in allowed))}; got {unknown}")
+    if "store" not in options:
+        raise TypeError(f"dtorch_ops.{name}(kind='network') needs store=: a "
+                        f"torch.distributed.TCPStore (or a PrefixStore over one) or \"host:port\"")
+    spec = "network://" + _store_address(options["store"])
+    device = options.get("device")
+    if device is not None:
+        if torch.device(device) != torch.device("cpu"):
+            raise ValueError(
+                f"TensorPromise(kind='network', device=...) takes device='cpu' (the consumer then "
+                f"receives CPU tensors), got {device!r}; without device=, a device tensor arrives "
+                f"on the same device type when this process has it")
+        spec += "?device=cpu"
+    return spec
 
 
 def _refuse_promise_in_graph(name: str) -> None:
@@ -658,10 +702,12 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
     _FUTURE = _Waitable
 
     def __init__(self, kind: str = "memory", **options):
-        """kind: "memory" (the pair lives in this process) or "file" (the promise can be sent to
+        """kind: "memory" (the pair lives in this process), "file" (the promise can be sent to
         other processes of this host: pickle it, put it in a torch.multiprocessing queue, or
-        pass serialize()'s string). Options of a kind are keyword arguments
-        (TensorPromise(kind="file") takes device="cpu" and zero_copy=True)."""
+        pass serialize()'s string) or "network" (to processes of other hosts too, through a
+        torch.distributed TCPStore: store= is one, a PrefixStore over one, or "host:port").
+        Options of a kind are keyword arguments (TensorPromise(kind="file") takes device="cpu"
+        and zero_copy=True; kind="network" takes store= and device="cpu")."""
         if _is_compiling():
             _refuse_promise_in_graph(type(self).__name__)
         if isinstance(kind, torch.ScriptObject):  # wrap an existing raw promise

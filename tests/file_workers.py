@@ -294,7 +294,8 @@ def fuzz_from_serialized_main() -> None:
     """Reads [[class name, string], ...] as JSON from stdin; for each, calls
     <class>.from_serialized(string) and, if that returns, set_value once (torch.ones(1) for a
     TensorPromise). Prints one JSON line per variant, flushed, so that a crash names the variant
-    after the last line printed."""
+    after the last line printed. Used by the file and network kinds' fuzz tests; "s" is each
+    variant's time."""
     import torch
 
     import dtorch_ops
@@ -302,23 +303,25 @@ def fuzz_from_serialized_main() -> None:
     classes = {"TensorPromise": dtorch_ops.TensorPromise, "VoidPromise": dtorch_ops.VoidPromise}
     variants = json.load(sys.stdin)
 
-    def report(index, stage, error=None):
-        line = {"i": index, "stage": stage}
+    def report(index, stage, started, error=None):
+        line = {"i": index, "stage": stage, "s": round(time.monotonic() - started, 3)}
         if error is not None:
             line.update(module=type(error).__module__, cls=type(error).__qualname__,
                         message=str(error)[:400],
                         runtime=isinstance(error, RuntimeError),
                         value=isinstance(error, ValueError),
                         type=isinstance(error, TypeError),
+                        dtorch=isinstance(error, dtorch_ops.errors.FutureError),
                         invalid_handle=isinstance(error, dtorch_ops.errors.InvalidHandleError))
         print(json.dumps(line), flush=True)
 
     for index, (class_name, text) in enumerate(variants):
         cls = classes[class_name]
+        started = time.monotonic()
         try:
             promise = cls.from_serialized(text)
         except Exception as e:  # noqa: BLE001 - reported to the test
-            report(index, "parse", e)
+            report(index, "parse", started, e)
             continue
         try:
             if cls is dtorch_ops.TensorPromise:
@@ -326,9 +329,9 @@ def fuzz_from_serialized_main() -> None:
             else:
                 promise.set_value()
         except Exception as e:  # noqa: BLE001 - reported to the test
-            report(index, "use", e)
+            report(index, "use", started, e)
             continue
         finally:
             del promise
-        report(index, "noop")
+        report(index, "noop", started)
     sys.stdout.flush()

@@ -17,12 +17,15 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 # us with, by the names the benchmarks give them.
 SECTIONS = ("In-process round trip (memory kind)", "Cross-thread wake (memory kind)",
             "asyncio (memory kind)", "sync()", "Device completion (simulated device)",
-            "File kind across processes", "torch.compile", "Scale")
+            "File kind across processes", "Network kind across processes (store path, loopback)",
+            "torch.compile", "Scale")
 ANCHORS = ("torch.futures.Future", "aten.alias (a bare op call)", "threading.Event",
            "std::promise", "asyncio.Future + call_soon_threadsafe", "seed's 1 ms polling",
            "loss.item() every step", "two-hop wake chain (simulated device)",
            "torch.multiprocessing.Queue", "pipe ping-pong (8-byte message)",
-           "memcpy into a touched mapping")
+           "memcpy into a touched mapping", "TCPStore set + blocking get (4 MiB chunks)",
+           "TCPStore queue_push + blocking queue_pop",
+           "Gloo send/recv (reference for the p2p path, not built yet)")
 STATS = {"median", "min", "max", "n"}
 
 
@@ -76,3 +79,20 @@ def test_the_file_kind_benchmark_runs(monkeypatch):
     memory = bench_file.memory(200)["memory"]
     assert memory["segments_left"] == []
     assert memory["per_future"]["own_segments"] == 1.0  # one control segment each
+
+
+@pytest.mark.timeout(120)
+def test_the_network_kind_benchmark_runs(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)  # (also for its spawned producer, which imports it)
+    import bench_network
+    from common import Report
+
+    report = Report()
+    result = bench_network.main(report, rounds=1, samples=5, mib=8, repeats=1)
+    assert set(result["latency_us"]) == {"network", "set", "queue", "gloo"}
+    for how, figures in result["latency_us"].items():
+        assert figures["median"] > 0, how
+    assert set(result["bandwidth"]["8MiB"]["gbps"]) == {"network", "set", "gloo"}
+    assert [f.name for f in report.figures] == ["4 KiB one-way, consumer blocked in wait()",
+                                                "8 MiB bandwidth"]
+    assert result["store_keys_left"] in ([], None)  # None: the store cannot list its keys

@@ -255,7 +255,7 @@ def test_callers_errors():
         dtorch_ops.get_tensor(torch.ones(1), "not a promise")
     with pytest.raises(ValueError, match="unknown TensorPromise kind 'disk'"):
         dtorch_ops.TensorPromise("disk")
-    with pytest.raises(ValueError, match="kind 'network' is not available in this build yet"):
+    with pytest.raises(ValueError, match="kind 'network' needs its store's address"):
         torch.classes.dtorch.TensorPromise("network")
     with pytest.raises(ValueError, match="kind 'file' takes no options"):
         dtorch_ops.VoidPromise("file://x")

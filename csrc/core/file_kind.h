@@ -60,6 +60,7 @@
 #include <unistd.h>
 
 #include "promise_future.h"
+#include "received_future.h"
 #include "shared_state.h"
 #include "shm_segment.h"
 #include "value_codec.h"
@@ -84,12 +85,7 @@ struct FileHandle {
 };
 
 // A value the consumer took: its header and its payload's mapping (kept alive by keep_alive).
-struct PublishedValue {
-  std::string header;
-  void* payload = nullptr;
-  size_t payload_bytes = 0;
-  std::shared_ptr<void> keep_alive;
-};
+using PublishedValue = ReceivedValue;
 
 // One handle's way to complete a pair: the creator's own, or a producer process's attachment
 // (which registered the process in the producer table, and marks its entry dropped when the last
@@ -133,7 +129,7 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
 std::shared_ptr<shm::Segment> MapFileControlSegment(const FileHandle& handle) noexcept;
 
 // The consumer's end of a pair, in the process that created it.
-class FileConsumer {
+class FileConsumer : public ReceivedSource {
  public:
   // Creates the control segment and registers the pair with the doorbell watcher.
   // `value_options` travel in the handle (FileHandle::value_options).
@@ -155,12 +151,12 @@ class FileConsumer {
   virtual bool RetrieveFuture() = 0;
 
   // FutureBackend semantics (promise_future.h).
-  virtual bool WaitUntil(Deadline deadline) const = 0;
-  virtual bool IsReady() const = 0;
+  bool WaitUntil(Deadline deadline) const override = 0;
+  bool IsReady() const override = 0;
   virtual bool Valid() const = 0;
-  virtual void OnReady(std::function<void()> callback) = 0;
+  void OnReady(std::function<void()> callback) override = 0;
   // Blocks until complete, then takes the value (throws the error instead); consumes.
-  virtual PublishedValue Take() = 0;
+  PublishedValue Take() override = 0;
 };
 
 // The library's exit: stops the watcher (by `deadline`), fails this process's pending pairs with
@@ -194,97 +190,7 @@ std::string FileDoorbellSegment();
 
 // ---- the kind's backends ----
 
-// Receiving a value from the pair is destructive (the consumer unlinks what it received), so the
-// future takes it once, when it is first asked for (Get or Value), and keeps the completion for
-// Value() (SharedState's semantics). The pair's callbacks run in its WaitUntil, which is called
-// before mu_ is taken: a callback may read this future.
-template <typename T>
-class FileFuture final : public FutureBackend<T> {
- public:
-  FileFuture(std::shared_ptr<FileConsumer> consumer, std::shared_ptr<const ValueCodec<T>> codec)
-      : consumer_(std::move(consumer)), codec_(std::move(codec)) {}
-
-  T Get() override {
-    WaitUntil(Deadline::max());
-    std::lock_guard<std::mutex> lock(mu_);
-    if (taken_) throw FutureError(FutureErrc::kNoState, kTakenDetail);
-    taken_ = true;
-    return ReceivedLocked().CopyOrThrow();
-  }
-  T Value() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (received_) return received_->CopyOrThrow();
-    }
-    if (!PairWaitUntil(Deadline())) {  // (a poll)
-      throw FutureError(FutureErrc::kNotReady, kNotReadyDetail);
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    return ReceivedLocked().CopyOrThrow();
-  }
-  bool WaitUntil(Deadline deadline) const override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (taken_) throw FutureError(FutureErrc::kNoState, kTakenDetail);
-      if (received_) return true;
-    }
-    return PairWaitUntil(deadline);
-  }
-  bool IsReady() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (taken_) return false;
-    return received_ || consumer_->IsReady();
-  }
-  bool Valid() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return !taken_;
-  }
-  void OnReady(std::function<void()> callback) override {
-    consumer_->OnReady(std::move(callback));
-  }
-
- private:
-  static constexpr const char* kTakenDetail =
-      "get() was already called on this future; a future yields its value once";
-
-  // The pair's WaitUntil (which runs its callbacks once complete), or true if another thread
-  // received the completion meanwhile (the pair then says it was retrieved).
-  bool PairWaitUntil(Deadline deadline) const {
-    try {
-      return consumer_->WaitUntil(deadline);
-    } catch (const FutureError& e) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (e.code() == FutureErrc::kNoState && received_) return true;
-      throw;
-    }
-  }
-
-  // The completion, received from the pair on first use (precondition: the pair is complete, and
-  // its callbacks have run). Any failure to read it becomes the completion's error.
-  const Result<T>& ReceivedLocked() {
-    if (!received_) {
-      try {
-        PublishedValue taken = consumer_->Take();
-        received_ = Result<T>::Value(codec_->Read(taken.header, taken.payload,
-                                                  taken.payload_bytes,
-                                                  std::move(taken.keep_alive)));
-      } catch (const FutureError& e) {
-        received_ = Result<T>::Error(e.code(), e.detail());
-      } catch (const std::exception& e) {
-        received_ = Result<T>::Error(FutureErrc::kInvalidHandle,
-                                     std::string("the published value could not be read: ") +
-                                         e.what());
-      }
-    }
-    return *received_;
-  }
-
-  const std::shared_ptr<FileConsumer> consumer_;
-  const std::shared_ptr<const ValueCodec<T>> codec_;
-  mutable std::mutex mu_;
-  std::optional<Result<T>> received_;  // guarded by mu_: the completion, once received
-  bool taken_ = false;                 // guarded by mu_: Get() took it
-};
+// The future is a ReceivedFuture<T> (received_future.h) of the pair's FileConsumer.
 
 template <typename T>
 class FilePromise final : public PromiseBackend<T> {
@@ -339,7 +245,7 @@ class FilePromise final : public PromiseBackend<T> {
       throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
                         "get_future() was already called on this promise; it has one future");
     }
-    return std::make_unique<FileFuture<T>>(consumer_, codec_);
+    return std::make_unique<ReceivedFuture<T>>(consumer_, codec_);
   }
 
   std::string Serialize() override {

@@ -12,6 +12,7 @@
 #include "completion_pool.h"
 #include "file_kind.h"
 #include "fork_generation.h"
+#include "network_kind.h"
 #include "shared_state.h"  // kMaxTimeoutMs
 
 namespace dtorch::core {
@@ -37,6 +38,7 @@ void AfterForkInChild() {
   shm::ResetCurrentPidInForkChild();  // first: the handlers below ask for this process's pid
   BeginForkChildHandler();
   AfterForkFileKindInChild();
+  AfterForkNetworkKindInChild();
   CompletionPool::Instance().AfterForkInChild();
   CompletionDetectors::Instance().AfterForkInChild();
   EndForkChildHandler();
@@ -54,7 +56,7 @@ const bool process_handlers_installed = [] {
 
 LibraryThreadCounts CountLibraryThreads() {
   return {CompletionDetectors::Instance().ThreadCount(), CompletionPool::Instance().ThreadCount(),
-          static_cast<size_t>(FileWatcherThreads())};
+          static_cast<size_t>(FileWatcherThreads()), NetworkKindThreads()};
 }
 
 void SetExitTimeoutMs(int64_t ms) {
@@ -72,6 +74,7 @@ void StopLibraryThreads() {
   CompletionDetectors::Instance().Stop(deadline);
   CompletionPool::Instance().Stop(deadline);
   StopFileKind(deadline);
+  StopNetworkKind(deadline);
 }
 
 }  // namespace dtorch::core

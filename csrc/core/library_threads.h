@@ -25,6 +25,7 @@ struct LibraryThreadCounts {
   size_t detectors = 0;  // named dtorch-detect
   size_t pool = 0;       // named dtorch-pool
   size_t doorbell = 0;   // named dtorch-doorbell: the file kind's watcher (core/file_kind.h)
+  size_t network = 0;    // dtorch-net-watch (one per store) and dtorch-net-tick (core/network_kind.h)
 };
 
 LibraryThreadCounts CountLibraryThreads();

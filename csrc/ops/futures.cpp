@@ -10,6 +10,7 @@
 
 #include "../core/file_kind.h"
 #include "../core/kind_registry.h"
+#include "../core/network_kind.h"
 #include "errors.h"
 #include "get_tensor.h"
 #include "runtime_hooks.h"
@@ -105,6 +106,51 @@ struct FileCodecs<core::Unit> {
   static std::string_view OptionsOf(const core::UnitCodec&) { return {}; }
 };
 
+// The codecs of network pairs of T: a value crosses hosts as bytes (no device IPC), arriving on
+// the producer's device type when the consumer has it (kStaged), or on the CPU ("device=cpu").
+template <typename T>
+struct NetworkCodecs;
+template <>
+struct NetworkCodecs<at::Tensor> {
+  static std::shared_ptr<const TensorCodec> ForNewPair(std::string_view options) {
+    if (options.empty()) return std::make_shared<const TensorCodec>(TensorCodec::Delivery::kStaged);
+    if (options == "device=cpu") {
+      return std::make_shared<const TensorCodec>(TensorCodec::Delivery::kCpu);
+    }
+    throw std::invalid_argument("dtorch: TensorPromise kind 'network' takes the option "
+                                "device=cpu after the store's address (\"network://host:port"
+                                "?device=cpu\"), got '" + std::string(options.substr(0, 64)) + "'");
+  }
+  static std::shared_ptr<const TensorCodec> ForSerialized(std::string_view value_options) {
+    try {
+      return ForNewPair(value_options);
+    } catch (const std::invalid_argument&) {
+      throw core::FutureError(core::FutureErrc::kInvalidHandle,
+                              "a serialized network TensorPromise with unknown value options");
+    }
+  }
+  static std::string_view OptionsOf(const TensorCodec& codec) { return codec.Options(); }
+};
+template <>
+struct NetworkCodecs<core::Unit> {
+  static std::shared_ptr<const core::UnitCodec> ForNewPair(std::string_view options) {
+    if (!options.empty()) {
+      throw std::invalid_argument("dtorch: VoidPromise kind 'network' takes only the store's "
+                                  "address (\"network://host:port\")");
+    }
+    static const auto codec = std::make_shared<const core::UnitCodec>();
+    return codec;
+  }
+  static std::shared_ptr<const core::UnitCodec> ForSerialized(std::string_view value_options) {
+    if (!value_options.empty()) {
+      throw core::FutureError(core::FutureErrc::kInvalidHandle,
+                              "a serialized network VoidPromise with value options");
+    }
+    return ForNewPair("");
+  }
+  static std::string_view OptionsOf(const core::UnitCodec&) { return {}; }
+};
+
 template <typename T>
 const core::KindRegistry<T>& Kinds() {
   static const core::KindRegistry<T> registry = [] {
@@ -135,10 +181,31 @@ const core::KindRegistry<T>& Kinds() {
                                                                     std::move(codec));
                     },
                     ""});
+    // "network://host:port[?<value options>]"
     kinds.Register(core::kNetworkKind,
-                   {nullptr, nullptr,
-                    "is not available in this build yet; use kind=\"memory\" (same process) "
-                    "or kind=\"file\" (processes of one host)"});
+                   {[](std::string_view options) {
+                      if (options.empty()) {
+                        throw std::invalid_argument(
+                            "dtorch: " + std::string(detail::PairNames<T>::kPromise) +
+                            " kind 'network' needs its store's address: \"network://host:port\" "
+                            "(Python: kind=\"network\", store=a TCPStore or \"host:port\")");
+                      }
+                      const auto query = options.find('?');
+                      const auto store = core::StoreAddress::Parse(options.substr(0, query));
+                      const auto codec = NetworkCodecs<T>::ForNewPair(
+                          query == std::string_view::npos ? std::string_view()
+                                                          : options.substr(query + 1));
+                      return std::make_unique<core::NetworkPromise<T>>(
+                          codec, store, NetworkCodecs<T>::OptionsOf(*codec));
+                    },
+                    [](std::string_view rest) {
+                      auto handle = core::NetworkHandle::Parse(
+                          rest, NetworkCodecs<T>::ForSerialized("")->TypeName());
+                      auto codec = NetworkCodecs<T>::ForSerialized(handle.value_options);
+                      return std::make_unique<core::NetworkPromise<T>>(std::move(handle),
+                                                                       std::move(codec));
+                    },
+                    ""});
     return kinds;
   }();
   return registry;

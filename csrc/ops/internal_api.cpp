@@ -8,6 +8,7 @@
 #include "../core/file_kind.h"
 #include "../core/fork_generation.h"
 #include "../core/kind_registry.h"
+#include "../core/network_kind.h"
 #include "../core/payload_pool.h"
 #include "../core/promise_future.h"
 #include "../core/ready_notifier.h"
@@ -124,6 +125,9 @@ void SetPoolThreads(int64_t n) { core::CompletionPool::Instance().SetThreads(n);
 int64_t PoolThreads() { return core::CompletionPool::Instance().Threads(); }
 void SetAttachTimeoutMs(int64_t ms) { core::SetAttachTimeoutMs(ms); }
 int64_t AttachTimeoutMs() { return core::AttachTimeoutMs(); }
+void SetNetworkHeartbeatTimeoutMs(int64_t ms) { core::SetNetworkHeartbeatTimeoutMs(ms); }
+int64_t NetworkHeartbeatTimeoutMs() { return core::NetworkHeartbeatTimeoutMs(); }
+size_t PendingNetworkPairs() { return core::PendingNetworkPairs(); }
 void SetPayloadIdleMs(int64_t ms) { core::payload::SetIdleMs(ms); }
 int64_t PayloadIdleMs() { return core::payload::IdleMs(); }
 void SetExitTimeoutMs(int64_t ms) { core::SetExitTimeoutMs(ms); }

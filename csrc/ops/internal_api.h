@@ -138,6 +138,8 @@ DTORCH_INTERNAL_API void FailDetectorThreadStartsForTesting(int count);
 
 // ---- The file kind (core/file_kind.h, core/payload_pool.h).
 DTORCH_INTERNAL_API size_t PendingFilePairs();
+// Network pairs of this process (its consumer side) in flight, on all stores.
+DTORCH_INTERNAL_API size_t PendingNetworkPairs();
 DTORCH_INTERNAL_API std::string FileDoorbellSegment();
 // Shared-memory segments kept by this process: as producer (pooled) and as consumer (mapped).
 struct KeptPayloads {
@@ -171,6 +173,8 @@ DTORCH_INTERNAL_API void SetPoolThreads(int64_t n);
 DTORCH_INTERNAL_API int64_t PoolThreads();
 DTORCH_INTERNAL_API void SetAttachTimeoutMs(int64_t ms);
 DTORCH_INTERNAL_API int64_t AttachTimeoutMs();
+DTORCH_INTERNAL_API void SetNetworkHeartbeatTimeoutMs(int64_t ms);
+DTORCH_INTERNAL_API int64_t NetworkHeartbeatTimeoutMs();
 DTORCH_INTERNAL_API void SetPayloadIdleMs(int64_t ms);
 DTORCH_INTERNAL_API int64_t PayloadIdleMs();
 DTORCH_INTERNAL_API void SetExitTimeoutMs(int64_t ms);

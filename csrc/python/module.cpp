@@ -409,6 +409,7 @@ PYBIND11_MODULE(_C, m) {
     threads["detectors"] = counts.detectors;
     threads["pool"] = counts.pool;
     threads["doorbell"] = counts.doorbell;
+    threads["network"] = counts.network;
     return threads;
   });
   // Whether this build opens `device_type`'s memory of other processes (CUDA: built with it).
@@ -424,6 +425,7 @@ PYBIND11_MODULE(_C, m) {
           return internal::DecodeTensorForTesting(header, payload, value_options);
         });
   m.def("pending_file_pairs", &internal::PendingFilePairs);
+  m.def("pending_network_pairs", &internal::PendingNetworkPairs);
   m.def("file_doorbell_segment", &internal::FileDoorbellSegment);
   m.def("kept_file_payloads", [] {
     const auto kept = internal::KeptFilePayloads();
@@ -463,6 +465,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("pool_threads", &internal::PoolThreads);
   m.def("set_attach_timeout_ms", &internal::SetAttachTimeoutMs);
   m.def("attach_timeout_ms", &internal::AttachTimeoutMs);
+  m.def("set_network_heartbeat_timeout_ms", &internal::SetNetworkHeartbeatTimeoutMs);
+  m.def("network_heartbeat_timeout_ms", &internal::NetworkHeartbeatTimeoutMs);
   m.def("set_payload_idle_ms", &internal::SetPayloadIdleMs);
   m.def("payload_idle_ms", &internal::PayloadIdleMs);
   m.def("set_exit_timeout_ms", &internal::SetExitTimeoutMs);

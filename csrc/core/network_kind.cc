@@ -1,0 +1,1522 @@
+#include "network_kind.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
+#include <set>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+#include "file_kind.h"  // AttachTimeoutMs: one attach deadline for both kinds
+#include "fork_generation.h"
+#include "kind_registry.h"
+#include "shm_segment.h"  // RandomBytes, HexOf, CurrentPid
+
+namespace dtorch::core {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr char kKeyPrefix[] = "dtorch/n/";
+constexpr size_t kIdHexDigits = 32;
+// A value this large or smaller travels in its message (one push); a larger one in chunks.
+constexpr size_t kInlineValueBytes = size_t{4} << 20;
+constexpr size_t kChunkBytes = size_t{4} << 20;  // under the libuv server's 8 MiB per value
+constexpr size_t kMaxErrorDetailBytes = 8192;
+constexpr int64_t kTickMs = 500;
+constexpr milliseconds kConnectTimeout{10000};
+// The watcher's connection waits this long in one pop (a pop that times out logs a warning in
+// c10d, so it is long: the watcher is woken by messages, its tick by the tick thread).
+constexpr milliseconds kWatcherTimeout{600000};
+constexpr char kFailedClaim[] = "!";
+// A producer's claim: its store id, "/", and 16 hex digits naming its attachment (so that a later
+// attachment of the same process cannot take a claim of an earlier one for its own).
+constexpr size_t kAttachmentHexDigits = 16;
+
+std::atomic<StoreConnector> store_connector{nullptr};
+std::atomic<int64_t> heartbeat_timeout_ms{kDefaultNetworkHeartbeatTimeoutMs};
+std::atomic<size_t> kind_threads{0};
+
+// Forks of this process (counted in the parent): a pair created before one may have reached the
+// child without being serialized, so it has left the process.
+std::atomic<uint64_t> forks_in_parent{0};
+const bool fork_counter_installed = [] {
+  pthread_atfork(nullptr, [] { ++forks_in_parent; }, nullptr);
+  return true;
+}();
+
+std::string NewId() {
+  unsigned char bytes[kIdHexDigits / 2];
+  shm::RandomBytes(bytes, sizeof(bytes));
+  return shm::HexOf(bytes, sizeof(bytes));
+}
+
+bool IsId(std::string_view s) {
+  return s.size() == kIdHexDigits && std::all_of(s.begin(), s.end(), [](char c) {
+           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+         });
+}
+
+bool IsClaimValue(std::string_view s) {
+  return s.size() == kIdHexDigits + 1 + kAttachmentHexDigits && s[kIdHexDigits] == '/' &&
+         IsId(s.substr(0, kIdHexDigits)) &&
+         std::all_of(s.begin() + kIdHexDigits + 1, s.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+std::string QueueKey(const std::string& process) { return kKeyPrefix + std::string("q/") + process; }
+std::string HeartbeatKey(const std::string& process) {
+  return kKeyPrefix + std::string("hb/") + process;
+}
+std::string ClaimKey(const std::string& pair) { return kKeyPrefix + std::string("c/") + pair; }
+std::string ChunkKey(const std::string& pair, uint32_t i) {
+  return kKeyPrefix + std::string("v/") + pair + "/" + std::to_string(i);
+}
+
+std::unique_ptr<KeyValueStore> Connect(const StoreAddress& address, milliseconds timeout) {
+  const StoreConnector connector = store_connector.load();
+  if (connector == nullptr) {
+    throw StoreError(StoreError::Kind::kOther, "this build of dtorch_ops has no store client");
+  }
+  return connector(address.host, address.port, timeout);
+}
+
+FutureError Unreachable(const StoreAddress& address, const std::exception& e) {
+  return FutureError(FutureErrc::kBrokenPromise,
+                     "the store at " + address.ToString() + " cannot be reached (" + e.what() +
+                         "): is its server (the TCPStore created with is_master=True) running, "
+                         "and reachable from this host?");
+}
+
+// A checksum of a value's bytes (against corruption and truncation, not tampering: the store is
+// trusted as far as its network is). Four independent multiply-xor lanes over 8-byte words: a
+// few GB/s, next to the network's speed.
+uint64_t Checksum(const char* data, size_t n) {
+  constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;
+  uint64_t h[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull,
+                   0x082EFA98EC4E6C89ull};
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int lane = 0; lane < 4; ++lane) {
+      uint64_t word;
+      std::memcpy(&word, data + i + 8 * lane, 8);
+      h[lane] = (h[lane] ^ word) * kMul;
+      h[lane] ^= h[lane] >> 29;
+    }
+  }
+  for (; i < n; ++i) {
+    h[0] = (h[0] ^ static_cast<unsigned char>(data[i])) * kMul;
+    h[0] ^= h[0] >> 29;
+  }
+  uint64_t r = n;
+  for (uint64_t lane : h) {
+    r = (r ^ lane) * kMul;
+    r ^= r >> 32;
+  }
+  return r;
+}
+
+// ---- messages on a consumer's queue ----
+
+// 'R' (recheck): the tick thread decided to fail a pair (its producers gone); the watcher fails
+// it when it pops this, after the messages queued before (a value a producer pushed just before
+// it exited completes the pair instead). Only a failure the session recorded is applied.
+enum MessageType : char {
+  kAttach = 'A', kDropped = 'D', kValue = 'V', kWake = 'W', kRecheck = 'R'
+};
+
+// 'V': u8 status (0 value, 1 error) | u32 error code | u64 payload bytes | u32 chunks |
+// u64 checksum | u32 header bytes | header (the codec's, or the error's detail) | the payload
+// itself when chunks == 0.
+struct ValueMessage {
+  bool error = false;
+  uint32_t code = 0;
+  uint64_t payload_bytes = 0;
+  uint32_t chunks = 0;
+  uint64_t checksum = 0;
+  std::string header;
+  std::string_view inline_payload;
+};
+
+struct Message {
+  MessageType type = kWake;
+  std::string pair;
+  std::string producer;
+  ValueMessage value;  // kValue
+};
+
+std::string EncodeHead(MessageType type, const std::string& pair, const std::string& producer) {
+  std::string out(1, static_cast<char>(type));
+  out += pair;
+  out += producer;
+  return out;
+}
+
+template <typename V>
+void Put(std::string& out, V v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(v));
+}
+
+std::string EncodeValue(const std::string& pair, const std::string& producer,
+                        const ValueMessage& v, std::string_view inline_payload) {
+  std::string out = EncodeHead(kValue, pair, producer);
+  out.reserve(out.size() + 33 + v.header.size() + inline_payload.size());
+  Put<uint8_t>(out, v.error ? 1 : 0);
+  Put<uint32_t>(out, v.code);
+  Put<uint64_t>(out, v.payload_bytes);
+  Put<uint32_t>(out, v.chunks);
+  Put<uint64_t>(out, v.checksum);
+  Put<uint32_t>(out, static_cast<uint32_t>(v.header.size()));
+  out += v.header;
+  out.append(inline_payload.data(), inline_payload.size());
+  return out;
+}
+
+// Parses a message (untrusted); nullopt when it is not one. `bytes` outlives the result's
+// inline_payload.
+std::optional<Message> Decode(const std::string& bytes) {
+  Message m;
+  if (bytes.empty()) return std::nullopt;
+  m.type = static_cast<MessageType>(bytes[0]);
+  if (m.type == kWake) return bytes.size() == 1 ? std::optional<Message>(m) : std::nullopt;
+  if (m.type != kAttach && m.type != kDropped && m.type != kValue && m.type != kRecheck) {
+    return std::nullopt;
+  }
+  if (bytes.size() < 1 + 2 * kIdHexDigits) return std::nullopt;
+  m.pair = bytes.substr(1, kIdHexDigits);
+  m.producer = bytes.substr(1 + kIdHexDigits, kIdHexDigits);
+  if (!IsId(m.pair) || !IsId(m.producer)) return std::nullopt;
+  size_t pos = 1 + 2 * kIdHexDigits;
+  if (m.type != kValue) return pos == bytes.size() ? std::optional<Message>(m) : std::nullopt;
+  const auto get = [&](void* out, size_t n) {
+    if (bytes.size() - pos < n) return false;
+    std::memcpy(out, bytes.data() + pos, n);
+    pos += n;
+    return true;
+  };
+  uint8_t status = 0;
+  uint32_t header_bytes = 0;
+  ValueMessage& v = m.value;
+  if (!get(&status, 1) || !get(&v.code, 4) || !get(&v.payload_bytes, 8) || !get(&v.chunks, 4) ||
+      !get(&v.checksum, 8) || !get(&header_bytes, 4)) {
+    return std::nullopt;
+  }
+  if (status > 1) return std::nullopt;
+  v.error = status == 1;
+  const size_t header_limit = v.error ? kMaxErrorDetailBytes : kMaxValueHeaderBytes;
+  if (header_bytes > header_limit || bytes.size() - pos < header_bytes) return std::nullopt;
+  v.header = bytes.substr(pos, header_bytes);
+  pos += header_bytes;
+  if (v.error) {
+    if (v.code > static_cast<uint32_t>(kLastFutureErrc) || v.payload_bytes != 0 || v.chunks != 0 ||
+        pos != bytes.size()) {
+      return std::nullopt;
+    }
+    return m;
+  }
+  if (v.chunks == 0) {
+    if (v.payload_bytes != bytes.size() - pos || v.payload_bytes > kInlineValueBytes) {
+      return std::nullopt;
+    }
+    v.inline_payload = std::string_view(bytes).substr(pos);
+  } else {
+    // Exactly as many chunks as the size needs (each full but the last).
+    if (pos != bytes.size() || v.payload_bytes <= kInlineValueBytes ||
+        v.chunks != (v.payload_bytes + kChunkBytes - 1) / kChunkBytes) {
+      return std::nullopt;
+    }
+  }
+  return m;
+}
+
+// A value as it arrived: the codec's header and the payload's bytes (checked against the
+// producer's size and checksum).
+struct NetworkValue {
+  std::string header;
+  std::shared_ptr<std::string> payload;
+};
+
+class Session;
+class ConsumerImpl;
+
+// ---- the sessions: one per store per process ----
+
+// What this process knows of another's heartbeat.
+struct Liveness {
+  int64_t last_beat = -1;  // the heartbeat counter last read
+  Clock::time_point changed_at = Clock::now();
+  enum class State { kAlive, kExited, kDead } state = State::kAlive;
+};
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(StoreAddress address, std::unique_ptr<KeyValueStore> connection)
+      : address_(std::move(address)), id_(NewId()), store_(std::move(connection)) {}
+
+  const StoreAddress& address() const { return address_; }
+  const std::string& id() const { return id_; }
+  KeyValueStore& store() { return *store_; }
+  bool broken() const { return broken_; }
+
+  // Bumps this process's heartbeat: always when `force`, else unless it was bumped within half a
+  // tick (a process that starts a pair between two ticks must not look exited, or dead with a
+  // counter others read long ago). Throws StoreError.
+  void Beat(bool force);
+
+  // Consumer side. Register writes the pair's record (throws StoreError).
+  void Register(const std::string& pair, const std::string& record,
+                const std::shared_ptr<ConsumerImpl>& consumer);
+  void Forget(const std::string& pair, bool value_arrived);
+  size_t PendingPairs() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pairs_.size();
+  }
+  // Producer side.
+  void ProducerAttached() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++producers_;
+  }
+  void ProducerDetached() {
+    std::lock_guard<std::mutex> lock(mu_);
+    --producers_;
+  }
+  // Runs `work` on the tick thread, at its next round (a producer's attach message: not on the
+  // path of a value set at once, which tells the consumer all the attach message would).
+  void AtNextTick(std::function<void()> work) {
+    std::lock_guard<std::mutex> lock(mu_);
+    next_tick_.push_back(std::move(work));
+  }
+  // A message about `pair` went to `consumer`'s queue: what it names is this process's to delete
+  // should that consumer die before reading it.
+  void Sent(const std::string& consumer, const std::string& pair, uint32_t chunks) {
+    std::lock_guard<std::mutex> lock(mu_);
+    sent_[consumer].push_back({pair, chunks});
+  }
+  // Fails `pair` once the watcher has handled the messages queued before now (kRecheck).
+  void FailAfterQueued(const std::string& pair, FutureErrc code, const std::string& detail);
+  // Heartbeats, liveness and clean-up; on the tick thread. False once it has nothing to do.
+  bool Tick();
+  // The store went away: fails every pair in flight here.
+  void Break(const std::string& why);
+  // At exit: fails the pairs in flight, deletes their keys and this process's heartbeat, wakes
+  // the watcher.
+  void Stop() noexcept;
+
+ private:
+  struct SentPair {
+    std::string pair;
+    uint32_t chunks;
+  };
+  struct Cleanup {
+    std::string pair;
+    bool chunks_maybe_left;  // no value message arrived: a producer may have written chunks
+  };
+  void StartWatcherLocked();
+  void Watch(const std::shared_ptr<KeyValueStore>& connection);
+  void Handle(KeyValueStore& connection, const Message& m);
+  void Receive(KeyValueStore& connection, const Message& m, const std::shared_ptr<ConsumerImpl>& c);
+  void DeleteCleanups(std::vector<Cleanup>& cleanups);
+  void CheckProducers(Clock::time_point now);
+  // Watches the claim holders of pairs that know of no producer (one that claimed, then died
+  // before it was announced, would otherwise never be watched).
+  void FindClaimHolders(const std::vector<std::shared_ptr<ConsumerImpl>>& consumers);
+  void CleanUpForConsumers();
+  std::vector<std::shared_ptr<ConsumerImpl>> LiveConsumers();
+  std::shared_ptr<ConsumerImpl> Find(const std::string& pair);
+  // Wakes the watcher from its pop, if it is in one and no wake is on its way (caller: mu_ held;
+  // push the wake after releasing it when this returns true).
+  bool WakeWatcherLocked();
+
+  const StoreAddress address_;
+  const std::string id_;
+  const std::unique_ptr<KeyValueStore> store_;
+  std::atomic<bool> broken_{false};
+  std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> last_beat_ms_{std::numeric_limits<int64_t>::min() / 2};
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, std::weak_ptr<ConsumerImpl>> pairs_;  // guarded by mu_
+  // The watcher's connection, kept for the next watcher (guarded by mu_).
+  std::shared_ptr<KeyValueStore> watch_connection_;
+  bool watching_ = false;        // guarded by mu_: a watcher thread runs
+  bool watcher_blocked_ = false;  // guarded by mu_: it is in (or entering) its pop
+  bool wake_pending_ = false;     // guarded by mu_: a wake message is on its way to it
+  std::map<std::string, Liveness> producers_liveness_;  // guarded by mu_: as a consumer
+  std::map<std::string, Liveness> consumers_liveness_;  // guarded by mu_: as a producer
+  int64_t producers_ = 0;  // guarded by mu_: announced NetworkProducers of this process here
+  std::map<std::string, std::vector<SentPair>> sent_;  // guarded by mu_: by consumer
+  std::vector<Cleanup> cleanups_;                      // guarded by mu_
+  std::vector<std::function<void()>> next_tick_;       // guarded by mu_
+  std::map<std::string, ErrorInfo> failures_after_queued_;  // guarded by mu_: by pair
+  // guarded by mu_: this process has awaited values here. Its heartbeat then goes on until it
+  // exits: producers with messages for it must not take an idle consumer for a dead one.
+  bool consumed_ = false;
+};
+
+// ---- the consumer's pair ----
+
+class ConsumerImpl final : public NetworkConsumer,
+                           public std::enable_shared_from_this<ConsumerImpl> {
+ public:
+  ConsumerImpl(std::shared_ptr<Session> session, NetworkHandle handle)
+      : session_(std::move(session)), handle_(std::move(handle)), record_(handle_.Serialize()) {}
+  ~ConsumerImpl() override {
+    if (ForkGeneration() == generation_) session_->Forget(handle_.pair, value_arrived_);
+  }
+
+  const NetworkHandle& handle() const override { return handle_; }
+  const std::string& record() const { return record_; }
+  bool InCreatorProcess() const override { return ForkGeneration() == generation_; }
+  void MarkLeftProcess() override { left_process_ = true; }
+  void CreatorDropped(bool claimed_here) override;
+  bool RetrieveFuture() override { return !future_retrieved_.exchange(true); }
+  SharedState<NetworkValue>& state() { return state_; }
+  // ReceivedSource (the future's).
+  bool WaitUntil(Deadline deadline) const override { return state_.WaitUntil(deadline); }
+  bool IsReady() const override { return state_.IsReady(); }
+  void OnReady(std::function<void()> callback) override { state_.OnReady(std::move(callback)); }
+  ReceivedValue Take() override {
+    NetworkValue value = state_.Take();
+    std::string* bytes = value.payload.get();
+    const bool empty = bytes == nullptr || bytes->empty();
+    return ReceivedValue{std::move(value.header), empty ? nullptr : bytes->data(),
+                         empty ? 0 : bytes->size(), std::move(value.payload)};
+  }
+  void FutureDropped() override { state_.DropResult(); }
+
+  // Complete, whether or not its result was taken (get() consumes: IsReady() is then false).
+  bool Settled() const { return state_.IsReady() || !state_.Valid(); }
+  bool KnowsNoProducer() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return producers_.empty();
+  }
+  void ValueArrived() { value_arrived_ = true; }
+
+  // On the session's threads.
+  void Attached(const std::string& producer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    producers_[producer] = false;  // (a process that dropped a handle and attached again: live)
+  }
+  void Dropped(const std::string& producer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    producers_[producer] = true;
+  }
+  // Why the pair should fail now (empty: it should not): every producer gone, or none attached
+  // by the deadline. `liveness` is the session's, read under its lock.
+  std::string WhyFail(const std::map<std::string, Liveness>& liveness, Clock::time_point now) const;
+  std::vector<std::string> LiveProducers() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> out;
+    for (const auto& [id, dropped] : producers_) {
+      if (!dropped) out.push_back(id);
+    }
+    return out;
+  }
+  // Fails the pair: first takes the claim (so that a producer cannot claim it after), unless a
+  // producer holds it that is neither gone (per `liveness`) nor dropped it: its value is on the
+  // way. Without `liveness`, any holder's value is.
+  void Fail(FutureErrc code, const std::string& detail, bool take_claim,
+            const std::map<std::string, Liveness>* liveness);
+
+ private:
+  bool LeftProcess() const {
+    return left_process_ || forks_in_parent.load() != forks_at_creation_;
+  }
+  bool HolderGone(const std::string& process,
+                  const std::map<std::string, Liveness>& liveness) const;
+
+  const std::shared_ptr<Session> session_;
+  const NetworkHandle handle_;
+  const std::string record_;  // what the claim key holds until a producer claims the pair
+  const uint64_t generation_ = ForkGeneration();
+  const uint64_t forks_at_creation_ = forks_in_parent.load();
+  SharedState<NetworkValue> state_;
+  std::atomic<bool> left_process_{false};
+  std::atomic<bool> future_retrieved_{false};
+  std::atomic<bool> value_arrived_{false};  // its value message was read (its chunks deleted)
+  mutable std::mutex mu_;
+  std::map<std::string, bool> producers_;  // guarded by mu_: attached, and whether dropped
+  std::optional<Clock::time_point> creator_dropped_at_;  // guarded by mu_
+};
+
+// ---- the registry and the tick thread ----
+
+struct Registry {
+  uint64_t generation = ForkGeneration();
+  std::mutex mu;
+  std::map<StoreAddress, std::shared_ptr<Session>> sessions;  // guarded by mu
+  std::condition_variable tick_cv;
+  bool ticking = false;   // guarded by mu: the tick thread runs
+  uint64_t work = 0;      // guarded by mu: EnsureTicking calls (work given since a round began)
+  bool stopped = false;   // guarded by mu: the library's exit ran
+};
+
+std::atomic<Registry*> registry{new Registry()};  // replaced (the old one leaked) in a fork child
+
+Registry& Current() { return *registry.load(); }
+
+void TickLoop(Registry* reg) {
+  for (;;) {
+    std::vector<std::shared_ptr<Session>> sessions;
+    uint64_t work_seen;
+    {
+      std::unique_lock<std::mutex> lock(reg->mu);
+      reg->tick_cv.wait_for(lock, milliseconds(kTickMs), [&] { return reg->stopped; });
+      if (reg->stopped) break;
+      work_seen = reg->work;
+      for (auto& [address, session] : reg->sessions) sessions.push_back(session);
+    }
+    bool busy = false;
+    for (auto& session : sessions) busy = session->Tick() || busy;
+    if (!busy) {
+      std::lock_guard<std::mutex> lock(reg->mu);
+      // Work given during the round (EnsureTicking found this thread running) is the next one's.
+      if (reg->work != work_seen) continue;
+      reg->ticking = false;
+      --kind_threads;  // (counted while reg->mu is held: a new tick thread cannot overlap)
+      return;
+    }
+  }
+  std::lock_guard<std::mutex> lock(reg->mu);
+  reg->ticking = false;
+  --kind_threads;
+}
+
+void EnsureTicking() {
+  Registry* reg = &Current();
+  std::lock_guard<std::mutex> lock(reg->mu);
+  ++reg->work;
+  if (reg->ticking || reg->stopped) return;
+  std::thread thread(&TickLoop, reg);
+  pthread_setname_np(thread.native_handle(), "dtorch-net-tick");
+  thread.detach();
+  reg->ticking = true;
+  ++kind_threads;
+}
+
+std::shared_ptr<Session> SessionFor(const StoreAddress& address) {
+  Registry& reg = Current();
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    if (reg.stopped) {
+      throw FutureError(FutureErrc::kDroppedAtExit, "the library is shutting down");
+    }
+    auto it = reg.sessions.find(address);
+    if (it != reg.sessions.end() && !it->second->broken()) return it->second;
+  }
+  std::unique_ptr<KeyValueStore> connection;
+  try {
+    connection = Connect(address, kConnectTimeout);
+  } catch (const StoreError& e) {
+    throw Unreachable(address, e);
+  }
+  auto session = std::make_shared<Session>(address, std::move(connection));
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto& slot = reg.sessions[address];
+  if (!slot || slot->broken()) slot = session;  // (else another thread connected first)
+  return slot;
+}
+
+void Unregister(const Session* session) {
+  Registry& reg = Current();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.sessions.find(session->address());
+  if (it != reg.sessions.end() && it->second.get() == session) reg.sessions.erase(it);
+}
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<milliseconds>(Clock::now().time_since_epoch()).count();
+}
+
+// ---- Session ----
+
+void Session::Beat(bool force) {
+  const int64_t now = NowMs();
+  if (!force && now - last_beat_ms_.load() < kTickMs / 2) return;
+  store_->Add(HeartbeatKey(id_), 1);
+  last_beat_ms_ = now;
+}
+
+void Session::Register(const std::string& pair, const std::string& record,
+                       const std::shared_ptr<ConsumerImpl>& consumer) {
+  store_->Set(ClaimKey(pair), record);  // (first: a pair that failed to register has no key)
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // (Break fails the pairs it finds: one registered after it would never fail.)
+    if (broken_) throw StoreError(StoreError::Kind::kUnreachable, "its connection was lost");
+    first = pairs_.empty();
+    consumed_ = true;
+    pairs_[pair] = consumer;
+    if (!watching_) StartWatcherLocked();
+  }
+  // The consumer's heartbeat exists before its promise can leave the process: a producer that
+  // finds none takes the consumer for dead.
+  Beat(/*force=*/first);
+  EnsureTicking();
+}
+
+bool Session::WakeWatcherLocked() {
+  if (!watcher_blocked_ || wake_pending_) return false;
+  wake_pending_ = true;
+  return true;
+}
+
+void Session::Forget(const std::string& pair, bool value_arrived) {
+  bool wake;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pairs_.erase(pair);
+    cleanups_.push_back({pair, !value_arrived});
+    // The watcher exits when it finds no pair left; one in its pop is woken to find that.
+    wake = pairs_.empty() && WakeWatcherLocked();
+  }
+  if (wake && !broken_) {
+    // From the tick thread: a store call here could block the thread dropping the future.
+    AtNextTick([self = shared_from_this()] {
+      try {
+        self->store_->QueuePush(QueueKey(self->id_), std::string(1, kWake));
+      } catch (...) {
+        // (The store went away, and with it the watcher's pop; a later wake may be sent.)
+        std::lock_guard<std::mutex> lock(self->mu_);
+        self->wake_pending_ = false;
+      }
+    });
+  }
+  EnsureTicking();  // (the tick deletes the pair's keys)
+}
+
+void Session::StartWatcherLocked() {
+  // Its own connection: a blocking pop holds the connection it runs on. (Kept for the next
+  // watcher: this one leaves it only once it is done with it.)
+  if (!watch_connection_) {
+    try {
+      watch_connection_ = Connect(address_, kWatcherTimeout);
+    } catch (const StoreError& e) {
+      throw Unreachable(address_, e);
+    }
+  }
+  std::thread thread([self = shared_from_this(), connection = watch_connection_] {
+    self->Watch(connection);
+  });
+  pthread_setname_np(thread.native_handle(), "dtorch-net-watch");
+  thread.detach();
+  watching_ = true;
+  ++kind_threads;
+}
+
+std::shared_ptr<ConsumerImpl> Session::Find(const std::string& pair) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = pairs_.find(pair);
+  return it == pairs_.end() ? nullptr : it->second.lock();
+}
+
+std::vector<std::shared_ptr<ConsumerImpl>> Session::LiveConsumers() {
+  std::vector<std::shared_ptr<ConsumerImpl>> consumers;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [pair, weak] : pairs_) {
+    if (auto c = weak.lock()) consumers.push_back(std::move(c));
+  }
+  return consumers;
+}
+
+void Session::Watch(const std::shared_ptr<KeyValueStore>& connection) {
+  const std::string queue = QueueKey(id_);
+  const auto leave = [&] {  // (mu_ held)
+    watching_ = false;
+    watcher_blocked_ = false;
+    --kind_threads;
+  };
+  bool drained = false;
+  for (;;) {
+    bool pop = true;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // (A wake on its way is popped first: none is left in the queue.)
+      if (stopping_) return leave();
+      if (pairs_.empty() && !wake_pending_) {
+        if (drained) return leave();
+        pop = false;
+      } else {
+        drained = false;
+        watcher_blocked_ = true;
+      }
+    }
+    if (!pop) {
+      // No pair left: what the queue still holds (a late drop message, a value for a pair
+      // dropped meanwhile) is handled now, so that nothing of it is left in the store.
+      try {
+        while (auto bytes = connection->QueuePopNow(queue)) {
+          if (const std::optional<Message> m = Decode(*bytes)) Handle(*connection, *m);
+        }
+      } catch (...) {
+        // (The store went away: nothing is left to wait for.)
+      }
+      drained = true;
+      continue;
+    }
+    std::string bytes;
+    std::string failure;
+    try {
+      bytes = connection->QueuePopBlocking(queue);
+    } catch (const StoreError& e) {
+      if (e.kind() != StoreError::Kind::kTimeout) failure = e.what();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      watcher_blocked_ = false;
+      if (bytes.size() == 1 && bytes[0] == kWake) wake_pending_ = false;
+    }
+    if (!failure.empty()) {
+      if (!stopping_) Break(failure);
+      std::lock_guard<std::mutex> lock(mu_);
+      return leave();
+    }
+    const std::optional<Message> m = Decode(bytes);
+    if (!m) continue;  // a timeout, or not a message of this kind (the queue is ours)
+    try {
+      Handle(*connection, *m);
+    } catch (const StoreError& e) {
+      if (!stopping_) Break(e.what());
+      std::lock_guard<std::mutex> lock(mu_);
+      return leave();
+    } catch (...) {
+      // (Handle fails the pair of a message it cannot complete; nothing else can throw.)
+    }
+  }
+}
+
+void Session::Handle(KeyValueStore& connection, const Message& m) {
+  if (m.type == kWake) return;
+  const std::shared_ptr<ConsumerImpl> consumer = Find(m.pair);
+  if (m.type == kRecheck) {
+    std::optional<ErrorInfo> failure;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = failures_after_queued_.find(m.pair);
+      if (it == failures_after_queued_.end()) return;  // (not this session's)
+      failure = std::move(it->second);
+      failures_after_queued_.erase(it);
+    }
+    if (consumer) consumer->state().TryComplete(Result<NetworkValue>::Error(*failure));
+    return;
+  }
+  if (m.type == kAttach || m.type == kDropped) {
+    if (!consumer) return;
+    if (m.type == kAttach) {
+      {
+        // A process that attaches is alive, whatever it was found to be before.
+        std::lock_guard<std::mutex> lock(mu_);
+        Liveness& l = producers_liveness_[m.producer];
+        if (l.state != Liveness::State::kAlive) l = Liveness{};
+      }
+      consumer->Attached(m.producer);
+    } else {
+      consumer->Dropped(m.producer);
+    }
+    return;
+  }
+  if (!consumer) {  // a pair nobody waits for any more: its keys go
+    for (uint32_t i = 0; i < m.value.chunks; ++i) connection.DeleteKey(ChunkKey(m.pair, i));
+    connection.DeleteKey(ClaimKey(m.pair));
+    return;
+  }
+  Receive(connection, m, consumer);
+}
+
+void Session::Receive(KeyValueStore& connection, const Message& m,
+                      const std::shared_ptr<ConsumerImpl>& consumer) {
+  const ValueMessage& v = m.value;
+  consumer->ValueArrived();
+  if (v.error) {
+    consumer->state().TryComplete(Result<NetworkValue>::Error(
+        static_cast<FutureErrc>(v.code), v.header));
+    return;
+  }
+  auto payload = std::make_shared<std::string>();
+  std::string problem;
+  if (v.chunks == 0) {
+    payload->assign(v.inline_payload.data(), v.inline_payload.size());
+  } else {
+    try {
+      // Grown as the chunks come, never from the producer's word alone.
+      payload->reserve(std::min<uint64_t>(v.payload_bytes, uint64_t{64} << 20));
+      for (uint32_t i = 0; i < v.chunks && problem.empty(); ++i) {
+        // (Checked first: a get waits for a missing key, here for the watcher's long timeout.)
+        if (!connection.Check(ChunkKey(m.pair, i))) {
+          problem = "chunk " + std::to_string(i) + " is missing";
+          break;
+        }
+        const std::string chunk = connection.Get(ChunkKey(m.pair, i));
+        const uint64_t expected =
+            i + 1 < v.chunks ? kChunkBytes : v.payload_bytes - uint64_t{kChunkBytes} * i;
+        if (chunk.size() != expected) {
+          problem = "chunk " + std::to_string(i) + " has " + std::to_string(chunk.size()) +
+                    " bytes, expected " + std::to_string(expected);
+        } else {
+          payload->append(chunk);
+        }
+      }
+    } catch (const StoreError& e) {
+      if (e.kind() != StoreError::Kind::kTimeout) throw;  // (the store went away: Break)
+      problem = std::string("a chunk could not be read (") + e.what() + ")";
+    } catch (const std::bad_alloc&) {
+      problem = "it does not fit in this process's memory";
+    } catch (const std::length_error&) {
+      problem = "it does not fit in this process's memory";
+    }
+  }
+  if (problem.empty() && Checksum(payload->data(), payload->size()) != v.checksum) {
+    problem = "its checksum does not match its bytes";
+  }
+  if (problem.empty()) {
+    consumer->state().TryComplete(Result<NetworkValue>::Value(NetworkValue{v.header, payload}));
+  } else {
+    consumer->state().TryComplete(Result<NetworkValue>::Error(
+        FutureErrc::kInvalidHandle, "the value read from the store at " + address_.ToString() +
+                                        " is corrupt: " + problem));
+  }
+  // (The claim stays while the pair does: a second producer is told it came second.)
+  for (uint32_t i = 0; i < v.chunks; ++i) connection.DeleteKey(ChunkKey(m.pair, i));
+}
+
+void Session::Break(const std::string& why) {
+  if (broken_.exchange(true)) return;
+  Unregister(this);
+  for (auto& c : LiveConsumers()) {
+    c->Fail(FutureErrc::kBrokenPromise,
+            "the store at " + address_.ToString() + " went away while the value was awaited (" +
+                why + ")",
+            /*take_claim=*/false, nullptr);
+  }
+}
+
+void Session::DeleteCleanups(std::vector<Cleanup>& cleanups) {
+  while (!cleanups.empty()) {
+    const Cleanup& c = cleanups.back();
+    store_->DeleteKey(ClaimKey(c.pair));
+    if (c.chunks_maybe_left) {
+      // A producer that claimed and then died (or was not read) may have left some: written in
+      // order, so they go up to the first one missing.
+      for (uint32_t i = 0; store_->DeleteKey(ChunkKey(c.pair, i)); ++i) {
+      }
+    }
+    cleanups.pop_back();
+  }
+}
+
+void Session::FailAfterQueued(const std::string& pair, FutureErrc code,
+                              const std::string& detail) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failures_after_queued_[pair] = ErrorInfo{code, detail};
+  }
+  try {
+    store_->QueuePush(QueueKey(id_), EncodeHead(kRecheck, pair, id_));
+  } catch (...) {
+    // (The store went away: the watcher fails every pair anyway.)
+  }
+}
+
+void Session::FindClaimHolders(const std::vector<std::shared_ptr<ConsumerImpl>>& consumers) {
+  std::vector<std::shared_ptr<ConsumerImpl>> unknown;
+  std::vector<std::string> keys;
+  for (auto& c : consumers) {
+    if (c->Settled() || !c->KnowsNoProducer()) continue;
+    unknown.push_back(c);
+    keys.push_back(ClaimKey(c->handle().pair));
+  }
+  // (A get waits for a missing key: read only when all are there, the usual case.)
+  if (keys.empty() || !store_->CheckAll(keys)) return;
+  const std::vector<std::string> holders = store_->MultiGet(keys);
+  for (size_t i = 0; i < unknown.size() && i < holders.size(); ++i) {
+    if (IsClaimValue(holders[i]) && holders[i].compare(0, kIdHexDigits, id_) != 0) {
+      unknown[i]->Attached(holders[i].substr(0, kIdHexDigits));  // watched from the next round
+    }
+  }
+}
+
+bool Session::Tick() {
+  if (broken_ || stopping_) return false;
+  bool consumers, producers;
+  std::vector<Cleanup> cleanups;
+  std::vector<std::function<void()>> work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    consumers = !pairs_.empty() || consumed_;
+    producers = producers_ > 0 || !sent_.empty();
+    cleanups.swap(cleanups_);
+    work.swap(next_tick_);
+  }
+  if (!consumers && !producers && cleanups.empty() && work.empty()) return false;
+  for (auto& w : work) w();  // (noexcept: see ProducerImpl::Announce)
+  try {
+    DeleteCleanups(cleanups);
+    if (consumers || producers) Beat(/*force=*/true);
+    if (consumers) {
+      FindClaimHolders(LiveConsumers());
+      CheckProducers(Clock::now());
+    }
+    if (producers) CleanUpForConsumers();
+  } catch (const StoreError& e) {
+    if (e.kind() != StoreError::Kind::kTimeout) {
+      Break(e.what());
+      return false;
+    }
+  } catch (const std::exception&) {
+    // (A failure of one round: the next tries again.)
+  }
+  if (!cleanups.empty()) {  // (what a failed round did not delete)
+    std::lock_guard<std::mutex> lock(mu_);
+    cleanups_.insert(cleanups_.end(), cleanups.begin(), cleanups.end());
+  }
+  return true;
+}
+
+void Session::CheckProducers(Clock::time_point now) {
+  // The producers the pairs in flight wait for.
+  std::vector<std::shared_ptr<ConsumerImpl>> consumers = LiveConsumers();
+  std::set<std::string> watched;
+  for (auto& c : consumers) {
+    if (c->Settled()) continue;
+    for (auto& id : c->LiveProducers()) {
+      if (id != id_) watched.insert(id);  // (this process: alive)
+    }
+  }
+  // Their heartbeats. (add(key, 0) reads a counter; it makes a missing key 0: a producer that
+  // exited cleanly deleted its key, and what this made is deleted again. A key missing from the
+  // start is not taken for an exit: another consumer may have deleted it, wrongly, or the
+  // producer exited before it was first read; the timeout decides.)
+  const int64_t timeout_ms = heartbeat_timeout_ms.load();
+  std::vector<std::string> gone;
+  for (const auto& id : watched) {
+    const int64_t beat = store_->Add(HeartbeatKey(id), 0);
+    std::lock_guard<std::mutex> lock(mu_);
+    Liveness& l = producers_liveness_[id];
+    if (l.state != Liveness::State::kAlive) {
+      gone.push_back(id);
+    } else if (beat == 0 && l.last_beat > 0) {
+      l.state = Liveness::State::kExited;  // (its heartbeat was seen, then deleted)
+      gone.push_back(id);
+    } else if (beat != l.last_beat) {
+      l.last_beat = beat;
+      l.changed_at = now;
+    } else if (now - l.changed_at > milliseconds(timeout_ms)) {
+      l.state = Liveness::State::kDead;
+      gone.push_back(id);
+    }
+  }
+  for (const auto& id : gone) store_->DeleteKey(HeartbeatKey(id));  // whoever sees death deletes
+  std::map<std::string, Liveness> snapshot;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Only the producers waited for are remembered (one attaching again starts afresh).
+    for (auto it = producers_liveness_.begin(); it != producers_liveness_.end();) {
+      it = watched.count(it->first) != 0 ? std::next(it) : producers_liveness_.erase(it);
+    }
+    snapshot = producers_liveness_;
+  }
+  for (auto& c : consumers) {
+    if (c->Settled()) continue;
+    const std::string why = c->WhyFail(snapshot, now);
+    if (!why.empty()) c->Fail(FutureErrc::kBrokenPromise, why, /*take_claim=*/true, &snapshot);
+  }
+}
+
+void Session::CleanUpForConsumers() {
+  std::map<std::string, std::vector<SentPair>> sent;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sent = sent_;
+  }
+  const Clock::time_point now = Clock::now();
+  const int64_t timeout_ms = heartbeat_timeout_ms.load();
+  for (auto& [consumer, pairs] : sent) {
+    bool received = store_->QueueLength(QueueKey(consumer)) == 0;
+    bool dead = false;
+    if (!received && consumer != id_) {
+      const int64_t beat = store_->Add(HeartbeatKey(consumer), 0);
+      std::lock_guard<std::mutex> lock(mu_);
+      Liveness& l = consumers_liveness_[consumer];
+      if (beat == 0 && l.last_beat > 0) {
+        dead = true;  // (it exited: its heartbeat was seen, then deleted)
+      } else if (beat != l.last_beat) {
+        l.last_beat = beat;
+        l.changed_at = now;
+      } else if (now - l.changed_at > milliseconds(timeout_ms)) {
+        dead = true;
+      }
+    }
+    if (dead) {
+      // The consumer will not read its queue: drain it, and delete what its messages name (the
+      // pairs' claims and values: the consumer's pairs, all gone with it).
+      while (auto bytes = store_->QueuePopNow(QueueKey(consumer))) {
+        const std::optional<Message> m = Decode(*bytes);
+        if (!m || m->type == kWake) continue;
+        for (uint32_t i = 0; m->type == kValue && i < m->value.chunks; ++i) {
+          store_->DeleteKey(ChunkKey(m->pair, i));
+        }
+        store_->DeleteKey(ClaimKey(m->pair));
+      }
+      for (const auto& p : pairs) store_->DeleteKey(ClaimKey(p.pair));  // (read before it died)
+      store_->DeleteKey(HeartbeatKey(consumer));
+      received = true;
+    }
+    if (received) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& now_sent = sent_[consumer];
+      // (Only what was read above: more may have been sent meanwhile.)
+      now_sent.erase(now_sent.begin(),
+                     now_sent.begin() + std::min(now_sent.size(), pairs.size()));
+      if (now_sent.empty()) {
+        sent_.erase(consumer);
+        consumers_liveness_.erase(consumer);
+      }
+    }
+  }
+}
+
+void Session::Stop() noexcept {
+  stopping_ = true;
+  std::vector<std::shared_ptr<ConsumerImpl>> consumers = LiveConsumers();
+  for (auto& c : consumers) {
+    c->state().TryComplete(Result<NetworkValue>::Error(
+        FutureErrc::kDroppedAtExit, "the process exits with the value still in flight"));
+  }
+  if (broken_) return;
+  try {
+    bool wake;
+    std::vector<Cleanup> cleanups;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cleanups.swap(cleanups_);
+      wake = WakeWatcherLocked();
+    }
+    for (auto& c : consumers) cleanups.push_back({c->handle().pair, true});
+    DeleteCleanups(cleanups);
+    store_->DeleteKey(HeartbeatKey(id_));  // others see "exited", not "died"
+    if (wake) store_->QueuePush(QueueKey(id_), std::string(1, kWake));
+  } catch (...) {
+  }
+}
+
+// ---- ConsumerImpl ----
+
+void ConsumerImpl::CreatorDropped(bool claimed_here) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    creator_dropped_at_ = Clock::now();
+  }
+  // A promise that never left this process has no other producer: broken now, unless it set
+  // the pair itself (the value is on its way through the store). (One that left waits for its
+  // producers, or the attach deadline: the tick.)
+  if (!LeftProcess() && !claimed_here) {
+    Fail(FutureErrc::kBrokenPromise,
+         "the promise was destroyed before a value or an exception was set", /*take_claim=*/false,
+         nullptr);
+  }
+}
+
+std::string ConsumerImpl::WhyFail(const std::map<std::string, Liveness>& liveness,
+                                  Clock::time_point now) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (producers_.empty()) {
+    if (creator_dropped_at_ && LeftProcess() &&
+        now - *creator_dropped_at_ > milliseconds(AttachTimeoutMs())) {
+      return "no producer attached within " + std::to_string(AttachTimeoutMs() / 1000.0) +
+             " s of the promise being dropped here (config.attach_timeout_s)";
+    }
+    return {};
+  }
+  std::string why;
+  for (const auto& [id, dropped] : producers_) {
+    if (dropped) {
+      why = "its producer (store id " + id.substr(0, 8) + ") dropped it without setting a value";
+      continue;
+    }
+    if (id == session_->id()) return {};  // this process: its own handle decides
+    auto it = liveness.find(id);
+    if (it == liveness.end() || it->second.state == Liveness::State::kAlive) return {};
+    why = it->second.state == Liveness::State::kExited
+              ? "producer exited (store id " + id.substr(0, 8) + ") without setting a value"
+              : "producer died (store id " + id.substr(0, 8) + "): its heartbeat stopped for " +
+                    std::to_string(heartbeat_timeout_ms.load() / 1000.0) + " s";
+  }
+  return why;
+}
+
+bool ConsumerImpl::HolderGone(const std::string& process,
+                              const std::map<std::string, Liveness>& liveness) const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = producers_.find(process);
+    if (it != producers_.end() && it->second) return true;  // dropped it: no value comes
+  }
+  auto it = liveness.find(process);
+  return it != liveness.end() && it->second.state != Liveness::State::kAlive;
+}
+
+void ConsumerImpl::Fail(FutureErrc code, const std::string& detail, bool take_claim,
+                        const std::map<std::string, Liveness>* liveness) {
+  if (Settled()) return;
+  if (take_claim && LeftProcess()) {
+    try {
+      const std::string holder =
+          session_->store().CompareSet(ClaimKey(handle_.pair), record_, kFailedClaim);
+      if (IsClaimValue(holder)) {
+        // A producer claimed it: its value is on the way, unless that producer is gone.
+        if (liveness == nullptr || !HolderGone(holder.substr(0, kIdHexDigits), *liveness)) return;
+      }
+    } catch (const std::exception&) {
+      // (The store cannot be reached: the pair fails all the same.)
+    }
+  }
+  if (liveness != nullptr) {
+    session_->FailAfterQueued(handle_.pair, code, detail);  // (the tick's verdict)
+    return;
+  }
+  state_.TryComplete(Result<NetworkValue>::Error(code, detail));
+}
+
+// ---- the producer's attachment ----
+
+class ProducerImpl;
+
+// Attachments of this process, shared by its handles of a pair: "<store>/<pair>" -> attachment.
+std::mutex attachments_mu;
+std::map<std::string, std::weak_ptr<ProducerImpl>>& Attachments() {
+  static auto* map = new std::map<std::string, std::weak_ptr<ProducerImpl>>();  // guarded
+  return *map;
+}
+
+class ProducerImpl final : public NetworkProducer,
+                           public std::enable_shared_from_this<ProducerImpl> {
+ public:
+  ProducerImpl(std::shared_ptr<Session> session, NetworkHandle handle)
+      : session_(std::move(session)),
+        handle_(std::move(handle)),
+        record_(handle_.Serialize()),
+        claim_(session_->id() + "/" + NewId().substr(0, kAttachmentHexDigits)) {}
+  ~ProducerImpl() override;
+
+  // Counts this producer for the heartbeats and has the tick thread announce it (Announce).
+  void Open();
+  // On the tick thread: unless this producer's value went meanwhile, checks the handle against the
+  // pair's record and, if the pair waits for a producer, tells the consumer (its liveness is then
+  // watched). Never throws.
+  void Announce() noexcept;
+  // Whether the pair is in flight and waits for the producer of `handle` (its record matches the
+  // pair's, and no other producer than `claim`'s claimed it). Throws StoreError.
+  static bool Awaited(Session& session, const NetworkHandle& handle, const std::string& record,
+                      const std::string& claim);
+  const std::string& record() const { return record_; }
+  // Another thread of this process attached first: this one goes without telling the consumer.
+  void Withdraw() { withdrawn_ = true; }
+
+  NetworkClaim TryClaim() override;
+  void PublishValue(const std::string& header, std::string payload) override;
+  void PublishError(const ErrorInfo& error) noexcept override;
+
+ private:
+  enum class Standing {
+    kPending,    // not announced yet (the tick thread will, unless the value goes first)
+    kAnnounced,  // the pair waited for a producer: the consumer was told of this one
+    kSilent,     // nothing to tell: the pair is claimed by another, failed, gone, or not the
+                 // handle's (the claim says which when this producer sets)
+  };
+
+  const std::shared_ptr<Session> session_;
+  const NetworkHandle handle_;
+  const std::string record_;
+  const std::string claim_;  // what the claim key holds once this attachment claimed the pair
+  const uint64_t generation_ = ForkGeneration();
+  std::mutex mu_;                           // held while announcing
+  Standing standing_ = Standing::kPending;  // guarded by mu_
+  std::atomic<bool> claimed_{false};       // by one of the handles sharing this attachment
+  std::atomic<bool> published_{false};
+  std::atomic<bool> withdrawn_{false};
+};
+
+FutureError Altered(const NetworkHandle& handle) {
+  return FutureError(FutureErrc::kInvalidHandle,
+                     "a serialized network promise that does not match the pair it names on the "
+                     "store at " + handle.store.ToString() + " (its consumer, value type, value "
+                     "options or store address were altered); pass the string serialize() "
+                     "returned, unchanged");
+}
+
+void ProducerImpl::Open() {
+  session_->ProducerAttached();
+  EnsureTicking();
+  session_->AtNextTick([weak = std::weak_ptr<ProducerImpl>(shared_from_this())] {
+    if (auto producer = weak.lock()) producer->Announce();
+  });
+}
+
+bool ProducerImpl::Awaited(Session& session, const NetworkHandle& handle,
+                           const std::string& record, const std::string& claim) {
+  KeyValueStore& store = session.store();
+  const std::string key = ClaimKey(handle.pair);
+  // (c10d's compare_set answers `expected` for a missing key, as for a matching one: the check
+  // tells them apart.)
+  if (!store.Check(key)) return false;  // no such pair in flight
+  const std::string holder = store.CompareSet(key, record, record);
+  // Waiting for a producer, or claimed by this one (a device value on its way).
+  return holder == record || holder == claim;
+}
+
+void ProducerImpl::Announce() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (standing_ != Standing::kPending) return;
+  standing_ = Standing::kSilent;
+  if (published_ || withdrawn_) return;  // (the value's message said it all)
+  try {
+    if (!Awaited(*session_, handle_, record_, claim_)) return;
+    session_->Beat(/*force=*/false);  // (before the consumer watches it)
+    session_->store().QueuePush(QueueKey(handle_.consumer),
+                                EncodeHead(kAttach, handle_.pair, session_->id()));
+    standing_ = Standing::kAnnounced;
+  } catch (...) {
+    // (The store cannot be reached: the consumer learns of that through its own connection, and
+    // this producer's set raises.)
+  }
+}
+
+ProducerImpl::~ProducerImpl() {
+  if (ForkGeneration() != generation_) return;
+  if (!published_ && !withdrawn_ && standing_ != Standing::kSilent) {
+    // Dropped unset: the consumer is told, by the tick thread (a store call here could block the
+    // thread that drops the promise), if the pair waits for this handle's producer (an altered
+    // handle must not break the real pair: checked first when it was not announced).
+    try {
+      session_->AtNextTick([session = session_, handle = handle_, record = record_,
+                            claim = claim_, announced = standing_ == Standing::kAnnounced] {
+        try {
+          if (announced || Awaited(*session, handle, record, claim)) {
+            session->store().QueuePush(QueueKey(handle.consumer),
+                                       EncodeHead(kDropped, handle.pair, session->id()));
+            session->Sent(handle.consumer, handle.pair, 0);
+          }
+        } catch (...) {
+        }
+      });
+      EnsureTicking();
+    } catch (...) {
+    }
+  }
+  session_->ProducerDetached();
+  std::lock_guard<std::mutex> lock(attachments_mu);
+  auto& map = Attachments();
+  auto it = map.find(handle_.store.ToString() + "/" + handle_.pair);
+  if (it != map.end() && it->second.expired()) map.erase(it);
+}
+
+NetworkClaim ProducerImpl::TryClaim() {
+  if (claimed_) return NetworkClaim::kClaimedByAnother;  // another handle sharing this attachment
+  std::string holder;
+  try {
+    holder = session_->store().CompareSet(ClaimKey(handle_.pair), record_, claim_);
+  } catch (const StoreError& e) {
+    throw Unreachable(handle_.store, e);
+  }
+  if (holder == claim_) {
+    return claimed_.exchange(true) ? NetworkClaim::kClaimedByAnother : NetworkClaim::kClaimed;
+  }
+  if (holder == kFailedClaim) return NetworkClaim::kFailedByConsumer;
+  if (IsClaimValue(holder)) return NetworkClaim::kClaimedByAnother;
+  if (holder == record_) return NetworkClaim::kClosed;  // (a missing key: no such pair in flight)
+  throw Altered(handle_);
+}
+
+void ProducerImpl::PublishValue(const std::string& header, std::string payload) {
+  ValueMessage v;
+  v.header = header;
+  v.payload_bytes = payload.size();
+  v.checksum = Checksum(payload.data(), payload.size());
+  try {
+    if (payload.size() <= kInlineValueBytes) {
+      session_->store().QueuePush(QueueKey(handle_.consumer),
+                                  EncodeValue(handle_.pair, session_->id(), v, payload));
+    } else {
+      v.chunks = static_cast<uint32_t>((payload.size() + kChunkBytes - 1) / kChunkBytes);
+      for (uint32_t i = 0; i < v.chunks; ++i) {
+        const size_t start = size_t{i} * kChunkBytes;
+        session_->store().Set(
+            ChunkKey(handle_.pair, i),
+            std::string_view(payload).substr(start, std::min(kChunkBytes, payload.size() - start)));
+      }
+      session_->store().QueuePush(QueueKey(handle_.consumer),
+                                  EncodeValue(handle_.pair, session_->id(), v, {}));
+    }
+  } catch (const StoreError& e) {
+    const FutureError error = Unreachable(handle_.store, e);
+    PublishError(ErrorInfo{error.code(), error.detail()});  // (if the store still takes it)
+    try {  // (what was written of the value, if the store still answers)
+      for (uint32_t i = 0; i < v.chunks; ++i) session_->store().DeleteKey(ChunkKey(handle_.pair, i));
+    } catch (...) {
+    }
+    throw error;
+  }
+  published_ = true;
+  session_->Sent(handle_.consumer, handle_.pair, v.chunks);
+}
+
+void ProducerImpl::PublishError(const ErrorInfo& error) noexcept {
+  try {
+    ValueMessage v;
+    v.error = true;
+    v.code = static_cast<uint32_t>(error.code);
+    v.header = error.detail.substr(0, kMaxErrorDetailBytes);
+    session_->store().QueuePush(QueueKey(handle_.consumer),
+                                EncodeValue(handle_.pair, session_->id(), v, {}));
+    published_ = true;
+    session_->Sent(handle_.consumer, handle_.pair, 0);
+  } catch (...) {
+    // (The store cannot be reached: the consumer learns of it through its own connection.)
+  }
+}
+
+// ---- parsing ----
+
+// `text` as it may appear in a message: at most 32 printable characters.
+std::string Shown(std::string_view text) {
+  std::string out;
+  for (char c : text.substr(0, 32)) out += (c >= 32 && c < 127) ? c : '?';
+  return out;
+}
+
+bool IsHostName(std::string_view host) {
+  return !host.empty() && host.size() <= 253 && std::all_of(host.begin(), host.end(), [](char c) {
+           return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                  c == '.' || c == '-' || c == '_';
+         });
+}
+
+bool IsIpv6(std::string_view host) {
+  return host.size() >= 2 && host.size() <= 45 && host.find(':') != std::string_view::npos &&
+         std::all_of(host.begin(), host.end(), [](char c) {
+           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F') ||
+                  c == ':' || c == '.';
+         });
+}
+
+// Splits "host:port" (or "[v6]:port") off the front of `text`; the rest after the port stays.
+// Returns false for anything else.
+bool SplitAddress(std::string_view& text, StoreAddress* out) {
+  std::string_view host;
+  if (!text.empty() && text[0] == '[') {
+    const auto close = text.find(']');
+    if (close == std::string_view::npos) return false;
+    host = text.substr(1, close - 1);
+    if (!IsIpv6(host)) return false;
+    text.remove_prefix(close + 1);
+  } else {
+    const auto colon = text.find(':');
+    if (colon == std::string_view::npos) return false;
+    host = text.substr(0, colon);
+    if (!IsHostName(host)) return false;
+    text.remove_prefix(colon);
+  }
+  if (text.empty() || text[0] != ':') return false;
+  text.remove_prefix(1);
+  size_t digits = 0;
+  uint32_t port = 0;
+  while (digits < text.size() && digits < 6 && text[digits] >= '0' && text[digits] <= '9') {
+    port = port * 10 + static_cast<uint32_t>(text[digits] - '0');
+    ++digits;
+  }
+  if (digits == 0 || digits > 5 || port == 0 || port > 65535 || (digits > 1 && text[0] == '0')) {
+    return false;
+  }
+  text.remove_prefix(digits);
+  out->host = std::string(host);
+  out->port = static_cast<uint16_t>(port);
+  return true;
+}
+
+}  // namespace
+
+// ---- public functions ----
+
+void SetStoreConnector(StoreConnector connector) { store_connector = connector; }
+
+std::string StoreAddress::ToString() const {
+  const bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+StoreAddress StoreAddress::Parse(std::string_view text) {
+  StoreAddress address;
+  std::string_view rest = text;
+  if (!SplitAddress(rest, &address) || !rest.empty()) {
+    throw std::invalid_argument(
+        "dtorch: a network promise's store is \"host:port\" (an IPv6 host in brackets, a port "
+        "1-65535), got \"" + std::string(text.substr(0, 64)) + "\"");
+  }
+  return address;
+}
+
+std::string NetworkHandle::Serialize() const {
+  std::string out = SerializedPrefix(kNetworkKind) + type_name + ":" + store.ToString() + ":" +
+                    consumer + ":" + pair;
+  if (!value_options.empty()) out += ":" + value_options;
+  return out;
+}
+
+NetworkHandle NetworkHandle::Parse(std::string_view rest, std::string_view expected_type) {
+  const auto invalid = [](const std::string& why) {
+    return FutureError(FutureErrc::kInvalidHandle,
+                       "a serialized network promise " + why +
+                           "; pass the string serialize() returned, unchanged");
+  };
+  NetworkHandle h;
+  const auto type_end = rest.find(':');
+  if (type_end == std::string_view::npos) throw invalid("without a value type");
+  h.type_name = std::string(rest.substr(0, type_end));
+  if (h.type_name != expected_type) {
+    throw FutureError(FutureErrc::kInvalidHandle,
+                      "a serialized network promise of another value type ('" +
+                          Shown(h.type_name) + "', expected '" + std::string(expected_type) +
+                          "'): TensorPromise and VoidPromise are not interchangeable");
+  }
+  rest.remove_prefix(type_end + 1);
+  if (!SplitAddress(rest, &h.store)) throw invalid("with a bad store address");
+  if (rest.size() < 2 + 2 * kIdHexDigits || rest[0] != ':' || rest[1 + kIdHexDigits] != ':') {
+    throw invalid("with bad ids");
+  }
+  h.consumer = std::string(rest.substr(1, kIdHexDigits));
+  h.pair = std::string(rest.substr(2 + kIdHexDigits, kIdHexDigits));
+  if (!IsId(h.consumer) || !IsId(h.pair)) throw invalid("with bad ids");
+  rest.remove_prefix(2 + 2 * kIdHexDigits);
+  if (!rest.empty()) {
+    if (rest[0] != ':' || rest.size() < 2 || rest.size() > 33 ||
+        !std::all_of(rest.begin() + 1, rest.end(), [](char c) {
+          return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '=';
+        })) {
+      throw invalid("with bad value options");
+    }
+    h.value_options = std::string(rest.substr(1));
+  }
+  return h;
+}
+
+std::shared_ptr<NetworkConsumer> NetworkConsumer::Create(std::string_view type_name,
+                                                         const StoreAddress& store,
+                                                         std::string_view value_options) {
+  const std::shared_ptr<Session> session = SessionFor(store);
+  NetworkHandle h;
+  h.type_name = std::string(type_name);
+  h.store = store;
+  h.consumer = session->id();
+  h.pair = NewId();
+  h.value_options = std::string(value_options);
+  auto consumer = std::make_shared<ConsumerImpl>(session, h);
+  try {
+    session->Register(h.pair, consumer->record(), consumer);
+  } catch (const StoreError& e) {
+    throw Unreachable(store, e);
+  }
+  return consumer;
+}
+
+std::shared_ptr<NetworkProducer> NetworkProducer::Attach(const NetworkHandle& handle) {
+  const std::string key = handle.store.ToString() + "/" + handle.pair;
+  {
+    std::lock_guard<std::mutex> lock(attachments_mu);
+    auto& map = Attachments();
+    if (auto it = map.find(key); it != map.end()) {
+      if (auto p = it->second.lock()) {
+        // (Another handle of the same pair that is not this one's: altered.)
+        if (p->record() != handle.Serialize()) throw Altered(handle);
+        return p;
+      }
+      map.erase(it);
+    }
+  }
+  auto producer = std::make_shared<ProducerImpl>(SessionFor(handle.store), handle);
+  producer->Open();
+  std::lock_guard<std::mutex> lock(attachments_mu);
+  auto& slot = Attachments()[key];
+  if (auto existing = slot.lock()) {  // another thread attached meanwhile: its attachment serves
+    producer->Withdraw();
+    if (existing->record() != producer->record()) throw Altered(handle);
+    return existing;
+  }
+  slot = producer;
+  return producer;
+}
+
+void StopNetworkKind(std::chrono::steady_clock::time_point deadline) noexcept {
+  Registry& reg = Current();
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    if (reg.stopped) return;
+    reg.stopped = true;
+    for (auto& [address, session] : reg.sessions) sessions.push_back(session);
+  }
+  reg.tick_cv.notify_all();
+  if (sessions.empty()) return;
+  // The store calls may block (a server that stopped answering): on a thread of their own, waited
+  // for until the deadline.
+  struct Done {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  try {
+    std::thread([sessions, done] {
+      for (auto& s : sessions) s->Stop();
+      std::lock_guard<std::mutex> lock(done->mu);
+      done->done = true;
+      done->cv.notify_all();
+    }).detach();
+  } catch (...) {
+    for (auto& s : sessions) s->Stop();
+    return;
+  }
+  std::unique_lock<std::mutex> lock(done->mu);
+  done->cv.wait_until(lock, deadline, [&] { return done->done; });
+}
+
+void AfterForkNetworkKindInChild() noexcept {
+  // The parent's sessions (their connections and threads) are not this process's: leaked.
+  try {
+    registry.store(new Registry());
+    new (&attachments_mu) std::mutex();
+    Attachments().clear();
+  } catch (...) {
+  }
+  kind_threads = 0;
+}
+
+size_t NetworkKindThreads() { return kind_threads.load(); }
+
+void SetNetworkHeartbeatTimeoutMs(int64_t ms) {
+  if (ms < 2 * kTickMs) {
+    throw std::invalid_argument("the network heartbeat timeout must be >= " +
+                                std::to_string(2 * kTickMs) + " ms (two heartbeats)");
+  }
+  heartbeat_timeout_ms = std::min(ms, kMaxTimeoutMs);
+}
+
+int64_t NetworkHeartbeatTimeoutMs() { return heartbeat_timeout_ms.load(); }
+
+size_t PendingNetworkPairs() {
+  Registry& reg = Current();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  size_t n = 0;
+  for (auto& [address, session] : reg.sessions) n += session->PendingPairs();
+  return n;
+}
+
+}  // namespace dtorch::core

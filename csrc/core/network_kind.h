@@ -1,0 +1,320 @@
+// The "network" kind: a promise/future pair whose producer may run on another host, over the
+// key-value store a torch.distributed job already runs (a c10d TCPStore), not a protocol of our own
+// (torch-free: the store is a KeyValueStore the torch glue provides, ops/network_store.cpp; values
+// are written and read by a ValueCodec<T>, as the file kind's).
+//
+// Names. Each process that uses a store has an id there, 32 random hex digits (its "store id"),
+// and each pair one too. A serialized promise names the store's address, the consumer's store id
+// and the pair: "dtorch-promise:1:network:<type>:<host>:<port>:<consumer>:<pair>[:<options>]"
+// (an IPv6 host in brackets). Every key of the kind starts with "dtorch/n/":
+//   q/<consumer>   the consumer's queue: producers push their messages to it (attach, drop, value)
+//   hb/<process>   a process's heartbeat, a counter it bumps while it has pairs in flight
+//   c/<pair>       the claim, while the pair lives: first the pair's record (its serialized
+//                  promise, written by the consumer as it creates the pair), then a producer's
+//                  claim ("<store id>/<16 hex digits naming its attachment>": compare_set from the
+//                  record, so fulfilled once, across hosts), or "!" once the consumer failed it
+//   v/<pair>/<i>   chunk i of a value too large for one message
+//
+// Roles. The consumer (the process that created the pair) has one watcher thread per store
+// ("dtorch-net-watch") that blocks in a queue pop on its own connection (a blocking pop holds its
+// connection, so it is never the one the producers' calls use) and completes the pairs it is
+// told about; no thread per future. A producer attaches on first use, without a round trip: the
+// tick thread tells the consumer (an attach message) at its next round, after checking the
+// handle against the pair's record, unless the value went first (its message says all the
+// attach message would: a value set at once costs two round trips, the claim and the value). It
+// claims with one compare_set from the pair's record to its own claim value, which also checks
+// the handle: a handle that names the pair with another consumer, value type, options or
+// address was altered (kInvalidHandle); one whose pair is not in flight (its consumer dropped
+// it) is closed, and setting it is a no-op, as for a file promise. A producer that drops its
+// handle unset tells the consumer, checking the handle first if it was not announced yet. It
+// publishes the value: its bytes in the message when they fit (kInlineValueBytes), else in chunks of
+// kChunkBytes (the store's server refuses a value over 8 MiB), with a checksum of the bytes
+// either way. Everything the consumer reads back is validated before a value is built; a
+// message it cannot read fails its pair, never the process.
+//
+// Liveness. One process-wide thread ("dtorch-net-tick") bumps this process's heartbeats every
+// kTickMs and checks the others, while any pair is in flight, and from a process's first network
+// future on until it exits (producers with messages for an idle consumer must not take it for a
+// dead one): a producer whose heartbeat stopped changing for the heartbeat timeout
+// (SetNetworkHeartbeatTimeoutMs) is dead, one whose heartbeat key, once seen, is gone exited. (A
+// process bumps it at once when it starts a pair or announces itself, before anyone can look for
+// it.) A pair that knows of no producer has its claim read each round: a producer that claimed
+// it and died before it was announced is watched too. The tick's verdict goes through the
+// watcher's queue (a recheck message): a value a producer pushed just before it exited completes
+// the pair first. The future fails with "broken promise" once every producer
+// that attached has died, exited or dropped its handle without setting; with "no producer
+// attached" after the attach deadline (file_kind.h's AttachTimeoutMs) when the promise left the
+// process (serialized, or the process forked) and its creator dropped it; at once if it never
+// left the process and the creator dropped it. The store going away (the watcher's connection
+// lost) fails every pair in flight on it.
+//
+// Nothing left behind. The consumer deletes a value's chunks once it has read them, and the claim
+// once the pair is gone (its future and promise dropped; a second producer is refused until
+// then); at exit, those of its pairs in flight and its heartbeat. A producer keeps what it sent
+// a consumer until that consumer's queue is empty (read); if the consumer died first, the
+// producer drains that queue and deletes the keys its messages name and its heartbeat. (What a
+// killed consumer leaves of pairs no producer attached to stays.) A queue the store holds no item
+// of is no key at all.
+//
+// Security: none of the store's (it has no authentication, and listens on every interface):
+// run it on a trusted network. Everything read from it is checked.
+//
+// Thread-safety: every function and method may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "promise_future.h"
+#include "received_future.h"
+#include "shared_state.h"
+#include "value_codec.h"
+
+namespace dtorch::core {
+
+// ---- the store ----
+
+// What a KeyValueStore throws. kUnreachable: the store cannot be reached (connection refused,
+// reset, closed); kTimeout: it did not answer within the connection's timeout.
+class StoreError : public std::runtime_error {
+ public:
+  enum class Kind { kUnreachable, kTimeout, kOther };
+  StoreError(Kind kind, const std::string& what) : std::runtime_error(what), kind_(kind) {}
+  Kind kind() const noexcept { return kind_; }
+
+ private:
+  Kind kind_;
+};
+
+// The operations of a c10d Store the kind uses, on one connection (thread-safe: calls on one
+// connection are serialized by it). Throws StoreError.
+class KeyValueStore {
+ public:
+  virtual ~KeyValueStore() = default;
+  virtual void Set(const std::string& key, std::string_view value) = 0;
+  // Sets `desired` if the key holds `expected` ("" also matches a missing key); returns the value
+  // it holds afterwards, except for a missing key and a non-empty `expected`: the key stays
+  // missing and `expected` is returned (c10d's answer; the kind tells the two apart by Check).
+  virtual std::string CompareSet(const std::string& key, const std::string& expected,
+                                 const std::string& desired) = 0;
+  // Waits (up to the connection's timeout) for the key to exist.
+  virtual std::string Get(const std::string& key) = 0;
+  // The values of keys that exist (a missing one is waited for, as by Get), in one round trip.
+  virtual std::vector<std::string> MultiGet(const std::vector<std::string>& keys) = 0;
+  virtual int64_t Add(const std::string& key, int64_t delta) = 0;
+  virtual bool DeleteKey(const std::string& key) = 0;
+  // Whether the key exists (without waiting for it); whether all of `keys` do.
+  virtual bool Check(const std::string& key) = 0;
+  virtual bool CheckAll(const std::vector<std::string>& keys) = 0;
+  virtual void QueuePush(const std::string& key, std::string_view value) = 0;
+  // Waits for an item, up to the connection's timeout (then throws StoreError(kTimeout)).
+  virtual std::string QueuePopBlocking(const std::string& key) = 0;
+  // The oldest item, or nullopt when the queue is empty.
+  virtual std::optional<std::string> QueuePopNow(const std::string& key) = 0;
+  virtual int64_t QueueLength(const std::string& key) = 0;
+};
+
+// Opens a connection to the store at host:port (torch glue). Throws StoreError: kUnreachable at
+// once where nothing listens there or the host does not resolve.
+using StoreConnector = std::unique_ptr<KeyValueStore> (*)(const std::string& host, uint16_t port,
+                                                          std::chrono::milliseconds timeout);
+void SetStoreConnector(StoreConnector connector);
+
+// A store's address: "host:port" (an IPv6 host in brackets: "[::1]:29500").
+struct StoreAddress {
+  std::string host;  // without brackets
+  uint16_t port = 0;
+
+  std::string ToString() const;
+  // Parses "host:port"; throws std::invalid_argument saying what is wrong.
+  static StoreAddress Parse(std::string_view text);
+  bool operator<(const StoreAddress& o) const {
+    return host != o.host ? host < o.host : port < o.port;
+  }
+};
+
+// ---- the kind ----
+
+// What a serialized network promise names (validated when parsed: untrusted input).
+struct NetworkHandle {
+  std::string type_name;      // the codec's TypeName()
+  StoreAddress store;
+  std::string consumer;       // the consumer's store id: 32 hex digits
+  std::string pair;           // 32 hex digits
+  std::string value_options;  // the consumer's codec options ([a-z0-9_=]{0,32}), checked by it
+
+  std::string Serialize() const;
+  // Parses what follows "dtorch-promise:1:network:"; throws FutureError(kInvalidHandle).
+  static NetworkHandle Parse(std::string_view rest, std::string_view expected_type);
+};
+
+// The consumer's end of a pair, in the process that created it.
+class NetworkConsumer : public ReceivedSource {
+ public:
+  // Registers the pair with this process's session on the store (connecting, and starting its
+  // watcher, if needed). Throws FutureError(kBrokenPromise) when the store cannot be reached.
+  static std::shared_ptr<NetworkConsumer> Create(std::string_view type_name,
+                                                 const StoreAddress& store,
+                                                 std::string_view value_options);
+  virtual ~NetworkConsumer() = default;
+  virtual const NetworkHandle& handle() const = 0;
+  virtual bool InCreatorProcess() const = 0;
+  virtual void MarkLeftProcess() = 0;
+  // The creator's promise handle is gone; `claimed_here`: that handle claimed the pair (its
+  // value or error is on its way through the store).
+  virtual void CreatorDropped(bool claimed_here) = 0;
+  virtual bool RetrieveFuture() = 0;
+};
+
+// kClosed: the pair is not in flight (its consumer dropped it): a set is a no-op.
+enum class NetworkClaim { kClaimed, kClaimedByAnother, kFailedByConsumer, kClosed };
+
+// This process's attachment to a pair as a producer (one per process and pair, shared by its
+// handles; made on first use). Dropping the last one without publishing tells the consumer.
+class NetworkProducer {
+ public:
+  // Attaches (a message to the consumer, if the pair waits for a producer). Throws
+  // FutureError: kInvalidHandle when the handle does not match the pair it names (altered),
+  // kBrokenPromise when the store cannot be reached.
+  static std::shared_ptr<NetworkProducer> Attach(const NetworkHandle& handle);
+  virtual ~NetworkProducer() = default;
+  // kClaimed for one handle of the attachment only (the others sharing it came second).
+  virtual NetworkClaim TryClaim() = 0;
+  // After kClaimed. Throws FutureError(kBrokenPromise) when the store cannot be reached.
+  virtual void PublishValue(const std::string& header, std::string payload) = 0;
+  virtual void PublishError(const ErrorInfo& error) noexcept = 0;
+};
+
+// The library's exit: fails this process's pairs in flight ("dropped at interpreter exit"),
+// deletes its heartbeats, stops the threads (by `deadline`).
+void StopNetworkKind(std::chrono::steady_clock::time_point deadline) noexcept;
+void AfterForkNetworkKindInChild() noexcept;
+// Threads of the kind now (watchers and the tick thread), for CountLibraryThreads.
+size_t NetworkKindThreads();
+// How long a producer's heartbeat may stand still before its consumers count it dead.
+inline constexpr int64_t kDefaultNetworkHeartbeatTimeoutMs = 5000;
+void SetNetworkHeartbeatTimeoutMs(int64_t ms);  // throws std::invalid_argument when < 1 tick
+int64_t NetworkHeartbeatTimeoutMs();
+// Pairs in flight on all stores (consumer side), for tests.
+size_t PendingNetworkPairs();
+
+// ---- the kind's backends ----
+
+// The future is a ReceivedFuture<T> (received_future.h) of the pair's NetworkConsumer.
+
+template <typename T>
+class NetworkPromise final : public PromiseBackend<T> {
+ public:
+  // The creator's promise: makes the pair on `store`.
+  NetworkPromise(std::shared_ptr<const ValueCodec<T>> codec, const StoreAddress& store,
+                 std::string_view value_options)
+      : codec_(std::move(codec)),
+        consumer_(NetworkConsumer::Create(codec_->TypeName(), store, value_options)),
+        handle_(consumer_->handle()) {}
+  // A promise another process serialized: attaches on first use.
+  NetworkPromise(NetworkHandle handle, std::shared_ptr<const ValueCodec<T>> codec)
+      : codec_(std::move(codec)), handle_(std::move(handle)) {}
+
+  ~NetworkPromise() override {
+    if (consumer_ && consumer_->InCreatorProcess()) {
+      consumer_->CreatorDropped(claimed_ && claimed_in_ == ForkGeneration());
+    }
+  }
+
+  void CheckValue(const T& value) const override {
+    Attach();
+    codec_->CheckValue(value);
+  }
+  bool CopiesValueOut() const override { return true; }
+
+  void Complete(Result<T> result) override {
+    // Claimed by the parent of this forked child (whose fork handler fails what the parent had
+    // pending): the completion is the parent's to publish.
+    if (!claimed_ || claimed_in_ != ForkGeneration()) return;
+    const auto producer = Attach();
+    if (!result.ok()) {
+      producer->PublishError(result.error());
+      return;
+    }
+    size_t payload_bytes = 0;
+    const std::string header = codec_->Header(result.value(), &payload_bytes);
+    std::string payload(payload_bytes, '\0');
+    if (payload_bytes != 0) codec_->WritePayload(result.value(), payload.data(), payload_bytes);
+    producer->PublishValue(header, std::move(payload));
+  }
+
+  std::unique_ptr<FutureBackend<T>> GetFuture() override {
+    if (!consumer_ || !consumer_->InCreatorProcess()) {
+      throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
+                        "the future of a network pair stays with the process that created it; "
+                        "this promise was deserialized or inherited by a forked child");
+    }
+    if (!consumer_->RetrieveFuture()) {
+      throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
+                        "get_future() was already called on this promise; it has one future");
+    }
+    return std::make_unique<ReceivedFuture<T>>(consumer_, codec_);
+  }
+
+  std::string Serialize() override {
+    if (consumer_ && consumer_->InCreatorProcess()) consumer_->MarkLeftProcess();
+    return handle_.Serialize();
+  }
+  const char* Kind() const override { return "network"; }
+
+ protected:
+  void ClaimShared(const char* producer) override {
+    switch (Attach()->TryClaim()) {
+      case NetworkClaim::kClaimed:
+        claimed_in_ = ForkGeneration();
+        claimed_ = true;
+        return;
+      case NetworkClaim::kClaimedByAnother:
+        throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
+                          std::string("this ") + producer + " came second: another handle of "
+                          "the promise (in this or another process) claimed it first. A promise "
+                          "is fulfilled once: use a new one per value");
+      case NetworkClaim::kFailedByConsumer:
+        throw FutureError(FutureErrc::kBrokenPromise,
+                          std::string(producer) + " came too late: the consumer already failed "
+                          "the promise (no producer alive, none attached in time) or is gone");
+      case NetworkClaim::kClosed:
+        return;  // its consumer dropped the pair: nothing to deliver (Complete does nothing)
+    }
+  }
+
+ private:
+  // This process's attachment (made on first use; anew in a forked child). Made outside mu_: it
+  // connects, and a fork meanwhile must not leave mu_ held in the child.
+  std::shared_ptr<NetworkProducer> Attach() const {
+    const uint64_t generation = ForkGeneration();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (producer_ && attached_in_ == generation) return producer_;
+    }
+    auto producer = NetworkProducer::Attach(handle_);  // (the process's one attachment: shared)
+    std::lock_guard<std::mutex> lock(mu_);
+    producer_ = std::move(producer);
+    attached_in_ = generation;
+    return producer_;
+  }
+
+  const std::shared_ptr<const ValueCodec<T>> codec_;
+  const std::shared_ptr<NetworkConsumer> consumer_;  // null unless this handle created the pair
+  const NetworkHandle handle_;
+  std::atomic<bool> claimed_{false};
+  std::atomic<uint64_t> claimed_in_{0};  // the fork generation that claimed
+  mutable std::mutex mu_;
+  mutable std::shared_ptr<NetworkProducer> producer_;  // guarded by mu_
+  mutable uint64_t attached_in_ = 0;                   // guarded by mu_: its fork generation
+};
+
+}  // namespace dtorch::core
