@@ -31,6 +31,8 @@ constexpr size_t kInlineValueBytes = size_t{4} << 20;
 constexpr size_t kChunkBytes = size_t{4} << 20;  // under the libuv server's 8 MiB per value
 constexpr size_t kMaxErrorDetailBytes = 8192;
 constexpr int64_t kTickMs = 500;
+// Claims of pairs that know no producer, read per tick (FindClaimHolders).
+constexpr size_t kClaimsReadPerTick = 64;
 constexpr milliseconds kConnectTimeout{10000};
 // The watcher's connection waits this long in one pop (a pop that times out logs a warning in
 // c10d, so it is long: the watcher is woken by messages, its tick by the tick thread).
@@ -354,6 +356,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::vector<Cleanup> cleanups_;                      // guarded by mu_
   std::vector<std::function<void()>> next_tick_;       // guarded by mu_
   std::map<std::string, ErrorInfo> failures_after_queued_;  // guarded by mu_: by pair
+  size_t claims_read_ = 0;  // FindClaimHolders' rounds (the tick thread's only)
   // guarded by mu_: this process has awaited values here. Its heartbeat then goes on until it
   // exits: producers with messages for it must not take an idle consumer for a dead one.
   bool consumed_ = false;
@@ -639,7 +642,7 @@ void Session::Watch(const std::shared_ptr<KeyValueStore>& connection) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       // (A wake on its way is popped first: none is left in the queue.)
-      if (stopping_) return leave();
+      if (stopping_ || broken_) return leave();
       if (pairs_.empty() && !wake_pending_) {
         if (drained) return leave();
         pop = false;
@@ -822,24 +825,28 @@ void Session::FailAfterQueued(const std::string& pair, FutureErrc code,
   try {
     store_->QueuePush(QueueKey(id_), EncodeHead(kRecheck, pair, id_));
   } catch (...) {
-    // (The store went away: the watcher fails every pair anyway.)
+    // (The store went away: the watcher fails every pair anyway. Not kept: the next tick
+    // decides again while the pair is unsettled.)
+    std::lock_guard<std::mutex> lock(mu_);
+    failures_after_queued_.erase(pair);
   }
 }
 
 void Session::FindClaimHolders(const std::vector<std::shared_ptr<ConsumerImpl>>& consumers) {
   std::vector<std::shared_ptr<ConsumerImpl>> unknown;
-  std::vector<std::string> keys;
   for (auto& c : consumers) {
-    if (c->Settled() || !c->KnowsNoProducer()) continue;
-    unknown.push_back(c);
-    keys.push_back(ClaimKey(c->handle().pair));
+    if (!c->Settled() && c->KnowsNoProducer()) unknown.push_back(c);
   }
-  // (A get waits for a missing key: read only when all are there, the usual case.)
-  if (keys.empty() || !store_->CheckAll(keys)) return;
-  const std::vector<std::string> holders = store_->MultiGet(keys);
-  for (size_t i = 0; i < unknown.size() && i < holders.size(); ++i) {
-    if (IsClaimValue(holders[i]) && holders[i].compare(0, kIdHexDigits, id_) != 0) {
-      unknown[i]->Attached(holders[i].substr(0, kIdHexDigits));  // watched from the next round
+  if (unknown.empty()) return;
+  // At most kClaimsReadPerTick a round, in turn: a claim read is a round trip. (compare_set with
+  // the record as both values reads without waiting: a get would wait for a deleted key.)
+  const size_t n = std::min(unknown.size(), kClaimsReadPerTick);
+  const size_t first = claims_read_++ * kClaimsReadPerTick % unknown.size();
+  for (size_t k = 0; k < n; ++k) {
+    ConsumerImpl& c = *unknown[(first + k) % unknown.size()];
+    const std::string holder = store_->CompareSet(ClaimKey(c.handle().pair), c.record(), c.record());
+    if (IsClaimValue(holder) && holder.compare(0, kIdHexDigits, id_) != 0) {
+      c.Attached(holder.substr(0, kIdHexDigits));  // watched from the next round
     }
   }
 }
@@ -998,7 +1005,7 @@ void Session::Stop() noexcept {
     {
       std::lock_guard<std::mutex> lock(mu_);
       cleanups.swap(cleanups_);
-      wake = WakeWatcherLocked();
+      wake = watcher_blocked_;  // (a wake deferred to a tick that will not run: sent now)
     }
     for (auto& c : consumers) cleanups.push_back({c->handle().pair, true});
     DeleteCleanups(cleanups);
@@ -1192,7 +1199,7 @@ void ProducerImpl::Announce() noexcept {
 
 ProducerImpl::~ProducerImpl() {
   if (ForkGeneration() != generation_) return;
-  if (!published_ && !withdrawn_ && standing_ != Standing::kSilent) {
+  if (!published_ && !withdrawn_ && standing_ != Standing::kSilent && !session_->broken()) {
     // Dropped unset: the consumer is told, by the tick thread (a store call here could block the
     // thread that drops the promise), if the pair waits for this handle's producer (an altered
     // handle must not break the real pair: checked first when it was not announced).
@@ -1429,29 +1436,37 @@ std::shared_ptr<NetworkConsumer> NetworkConsumer::Create(std::string_view type_n
 
 std::shared_ptr<NetworkProducer> NetworkProducer::Attach(const NetworkHandle& handle) {
   const std::string key = handle.store.ToString() + "/" + handle.pair;
+  // An attachment found is released (and maybe destroyed, which takes attachments_mu) only after
+  // the lock is: a shared_ptr outside it.
+  std::shared_ptr<ProducerImpl> found;
   {
     std::lock_guard<std::mutex> lock(attachments_mu);
     auto& map = Attachments();
     if (auto it = map.find(key); it != map.end()) {
-      if (auto p = it->second.lock()) {
-        // (Another handle of the same pair that is not this one's: altered.)
-        if (p->record() != handle.Serialize()) throw Altered(handle);
-        return p;
-      }
-      map.erase(it);
+      found = it->second.lock();
+      if (!found) map.erase(it);
     }
+  }
+  if (found) {
+    // (Another handle of the same pair that is not this one's: altered.)
+    if (found->record() != handle.Serialize()) throw Altered(handle);
+    return found;
   }
   auto producer = std::make_shared<ProducerImpl>(SessionFor(handle.store), handle);
   producer->Open();
-  std::lock_guard<std::mutex> lock(attachments_mu);
-  auto& slot = Attachments()[key];
-  if (auto existing = slot.lock()) {  // another thread attached meanwhile: its attachment serves
-    producer->Withdraw();
-    if (existing->record() != producer->record()) throw Altered(handle);
-    return existing;
+  {
+    std::lock_guard<std::mutex> lock(attachments_mu);
+    auto& slot = Attachments()[key];
+    found = slot.lock();
+    if (!found) {
+      slot = producer;
+      return producer;
+    }
   }
-  slot = producer;
-  return producer;
+  // Another thread attached meanwhile: its attachment serves.
+  producer->Withdraw();
+  if (found->record() != producer->record()) throw Altered(handle);
+  return found;
 }
 
 void StopNetworkKind(std::chrono::steady_clock::time_point deadline) noexcept {

@@ -107,13 +107,10 @@ class KeyValueStore {
                                  const std::string& desired) = 0;
   // Waits (up to the connection's timeout) for the key to exist.
   virtual std::string Get(const std::string& key) = 0;
-  // The values of keys that exist (a missing one is waited for, as by Get), in one round trip.
-  virtual std::vector<std::string> MultiGet(const std::vector<std::string>& keys) = 0;
   virtual int64_t Add(const std::string& key, int64_t delta) = 0;
   virtual bool DeleteKey(const std::string& key) = 0;
-  // Whether the key exists (without waiting for it); whether all of `keys` do.
+  // Whether the key exists (without waiting for it).
   virtual bool Check(const std::string& key) = 0;
-  virtual bool CheckAll(const std::vector<std::string>& keys) = 0;
   virtual void QueuePush(const std::string& key, std::string_view value) = 0;
   // Waits for an item, up to the connection's timeout (then throws StoreError(kTimeout)).
   virtual std::string QueuePopBlocking(const std::string& key) = 0;
@@ -245,9 +242,19 @@ class NetworkPromise final : public PromiseBackend<T> {
       return;
     }
     size_t payload_bytes = 0;
-    const std::string header = codec_->Header(result.value(), &payload_bytes);
-    std::string payload(payload_bytes, '\0');
-    if (payload_bytes != 0) codec_->WritePayload(result.value(), payload.data(), payload_bytes);
+    std::string header;
+    std::string payload;
+    try {
+      header = codec_->Header(result.value(), &payload_bytes);
+      payload.resize(payload_bytes);
+      if (payload_bytes != 0) codec_->WritePayload(result.value(), payload.data(), payload_bytes);
+    } catch (const std::exception& e) {
+      // Claimed, so nothing else will complete the pair: it fails with this error too.
+      producer->PublishError(
+          ErrorInfo{FutureErrc::kProducerError, std::string("the value could not be sent: ") +
+                                                    e.what()});
+      throw;
+    }
     producer->PublishValue(header, std::move(payload));
   }
 

@@ -60,13 +60,6 @@ class TcpStoreConnection final : public core::KeyValueStore {
   std::string Get(const std::string& key) override {
     return Translated([&] { return String(store_->get(key)); });
   }
-  std::vector<std::string> MultiGet(const std::vector<std::string>& keys) override {
-    return Translated([&] {
-      std::vector<std::string> out;
-      for (const auto& value : store_->multiGet(keys)) out.push_back(String(value));
-      return out;
-    });
-  }
   int64_t Add(const std::string& key, int64_t delta) override {
     return Translated([&] { return store_->add(key, delta); });
   }
@@ -75,9 +68,6 @@ class TcpStoreConnection final : public core::KeyValueStore {
   }
   bool Check(const std::string& key) override {
     return Translated([&] { return store_->check({key}); });
-  }
-  bool CheckAll(const std::vector<std::string>& keys) override {
-    return Translated([&] { return store_->check(keys); });
   }
   void QueuePush(const std::string& key, std::string_view value) override {
     Translated([&] { store_->queuePush(key, Bytes(value)); });
