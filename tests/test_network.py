@@ -304,6 +304,36 @@ def test_a_forked_child_fulfils_the_promise_it_inherited(store):
     assert child.exitcode == 0
 
 
+def _wait_in_forked_child(future, conn) -> None:
+    try:
+        future.wait(5_000)
+        conn.send("got a value")
+    except errors.DroppedAtForkError as e:
+        conn.send("dropped at fork: " + str(e))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        conn.send(f"{type(e).__name__}: {e}")
+
+
+def test_a_future_inherited_by_a_forked_child_fails_there_at_once(store):
+    # The pair's watcher is the parent's: in the child the future fails (never waits for a value
+    # that goes to the parent); the parent still gets it.
+    import multiprocessing
+
+    promise, future = network_pair(store)
+    ours, theirs = multiprocessing.Pipe()
+    child = multiprocessing.get_context("fork").Process(target=_wait_in_forked_child,
+                                                          args=(future, theirs))
+    child.start()
+    try:
+        assert ours.poll(30)
+        said = ours.recv()
+        assert said.startswith("dropped at fork: "), said
+        promise.set_value(torch.ones(2))
+        assert torch.equal(future.wait(WAIT_MS), torch.ones(2))
+    finally:
+        child.join(30)
+
+
 # ---- many futures, asyncio, threads -------------------------------------------------------------
 
 

@@ -381,10 +381,14 @@ class ConsumerImpl final : public NetworkConsumer,
   bool RetrieveFuture() override { return !future_retrieved_.exchange(true); }
   SharedState<NetworkValue>& state() { return state_; }
   // ReceivedSource (the future's).
-  bool WaitUntil(Deadline deadline) const override { return state_.WaitUntil(deadline); }
+  bool WaitUntil(Deadline deadline) const override {
+    CheckInCreatorProcess();
+    return state_.WaitUntil(deadline);
+  }
   bool IsReady() const override { return state_.IsReady(); }
   void OnReady(std::function<void()> callback) override { state_.OnReady(std::move(callback)); }
   ReceivedValue Take() override {
+    CheckInCreatorProcess();
     NetworkValue value = state_.Take();
     std::string* bytes = value.payload.get();
     const bool empty = bytes == nullptr || bytes->empty();
@@ -393,6 +397,15 @@ class ConsumerImpl final : public NetworkConsumer,
   }
   void FutureDropped() override { state_.DropResult(); }
 
+  // A future inherited by a forked child: the pair's watcher is the parent's, nothing would
+  // complete it here (throws, as memory futures pending at fork fail).
+  void CheckInCreatorProcess() const {
+    if (ForkGeneration() == generation_) return;
+    throw FutureError(FutureErrc::kDroppedAtFork,
+                      "the network future was in flight in the parent process when it forked; "
+                      "its value goes to the parent: get it there, or create the pair in this "
+                      "process");
+  }
   // Complete, whether or not its result was taken (get() consumes: IsReady() is then false).
   bool Settled() const { return state_.IsReady() || !state_.Valid(); }
   bool KnowsNoProducer() const {
