@@ -1,10 +1,26 @@
-"""Producer-side functions for test_file_kind.py: run in the module's producer process
+"""Producer-side functions for test_file_kind.py (and the value cases test_network.py shares): run in the module's producer process
 (producer_process.ProducerProcess.call), they fulfil the file promises the test (the consumer)
 sends them.
 """
 import torch
 
 import dtorch_ops
+
+
+# (dtype, shape, layout) of the values the cross-process kinds' tests send (make_tensor).
+CASES = [
+    (torch.float32, (5, 7), "contiguous"),
+    (torch.float64, (4, 6), "transposed"),
+    (torch.float16, (2, 3, 4, 5), "channels_last"),
+    (torch.bfloat16, (3, 8), "sliced"),
+    (torch.int64, (4, 5), "expanded"),
+    (torch.int8, (16,), "contiguous"),
+    (torch.uint8, (3, 3), "transposed"),
+    (torch.bool, (6, 2), "sliced"),
+    (torch.complex64, (3, 4), "conj"),
+    (torch.int32, (0, 4), "contiguous"),
+    (torch.float32, (), "contiguous"),
+]
 
 
 def make_tensor(dtype: torch.dtype, shape: tuple, layout: str) -> torch.Tensor:

@@ -39,19 +39,7 @@ def file_pair(cls=dtorch_ops.TensorPromise):
 
 # ---- values ----
 
-CASES = [
-    (torch.float32, (5, 7), "contiguous"),
-    (torch.float64, (4, 6), "transposed"),
-    (torch.float16, (2, 3, 4, 5), "channels_last"),
-    (torch.bfloat16, (3, 8), "sliced"),
-    (torch.int64, (4, 5), "expanded"),
-    (torch.int8, (16,), "contiguous"),
-    (torch.uint8, (3, 3), "transposed"),
-    (torch.bool, (6, 2), "sliced"),
-    (torch.complex64, (3, 4), "conj"),
-    (torch.int32, (0, 4), "contiguous"),
-    (torch.float32, (), "contiguous"),
-]
+CASES = file_producers.CASES
 
 
 @pytest.mark.parametrize("dtype,shape,layout", CASES, ids=lambda c: str(c).replace("torch.", ""))

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 import dtorch_ops
+import file_producers
 import network_workers
 import producer_process
 from conftest import TESTS, WAIT_MS
@@ -162,17 +163,7 @@ def kill(process: ProducerProcess) -> float:
 
 # ---- values -------------------------------------------------------------------------------------
 
-CASES = [
-    (torch.float32, (5, 7), "contiguous"),
-    (torch.float64, (4, 6), "transposed"),
-    (torch.float16, (2, 3, 4, 5), "channels_last"),
-    (torch.bfloat16, (3, 8), "sliced"),
-    (torch.int64, (4, 5), "expanded"),
-    (torch.bool, (6, 2), "sliced"),
-    (torch.complex64, (3, 4), "conj"),
-    (torch.int32, (0, 4), "contiguous"),
-    (torch.float32, (), "contiguous"),
-]
+CASES = file_producers.CASES
 
 
 @pytest.mark.parametrize("dtype,shape,layout", CASES, ids=lambda c: str(c).replace("torch.", ""))

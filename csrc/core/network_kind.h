@@ -259,16 +259,7 @@ class NetworkPromise final : public PromiseBackend<T> {
   }
 
   std::unique_ptr<FutureBackend<T>> GetFuture() override {
-    if (!consumer_ || !consumer_->InCreatorProcess()) {
-      throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
-                        "the future of a network pair stays with the process that created it; "
-                        "this promise was deserialized or inherited by a forked child");
-    }
-    if (!consumer_->RetrieveFuture()) {
-      throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
-                        "get_future() was already called on this promise; it has one future");
-    }
-    return std::make_unique<ReceivedFuture<T>>(consumer_, codec_);
+    return FutureOfPair<T>(consumer_, codec_, "network");
   }
 
   std::string Serialize() override {

@@ -133,4 +133,24 @@ class ReceivedFuture final : public FutureBackend<T> {
   bool taken_ = false;                 // guarded by mu_: Get() took it
 };
 
+// The future of a cross-process pair whose consumer end is `consumer` (FileConsumer,
+// NetworkConsumer): only in the process that created the pair, and once. `kind` names it in
+// errors.
+template <typename T, typename Consumer>
+std::unique_ptr<FutureBackend<T>> FutureOfPair(const std::shared_ptr<Consumer>& consumer,
+                                               std::shared_ptr<const ValueCodec<T>> codec,
+                                               const char* kind) {
+  if (!consumer || !consumer->InCreatorProcess()) {
+    throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
+                      std::string("the future of a ") + kind + " pair stays with the process "
+                      "that created it; this promise was deserialized or inherited by a forked "
+                      "child");
+  }
+  if (!consumer->RetrieveFuture()) {
+    throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
+                      "get_future() was already called on this promise; it has one future");
+  }
+  return std::make_unique<ReceivedFuture<T>>(consumer, std::move(codec));
+}
+
 }  // namespace dtorch::core
