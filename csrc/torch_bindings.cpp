@@ -3,6 +3,8 @@
 //
 // Zero-output ops and ops that keep a reference to their input use CONSERVATIVE alias analysis:
 // with the default (FROM_SCHEMA) TorchScript would treat them as pure and delete them.
+#include <optional>
+
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -75,16 +77,25 @@ template <typename T>
 void DefineFuture(torch::Library& m) {
   using F = Future<T>;
   auto cls = m.class_<F>(F::kClassName);
+  // wait(timeout_ms=None): the value once ready, without consuming it (as torch.futures'
+  // wait()); past timeout_ms raises ("dtorch: timed out") and the future stays valid.
+  const auto wait = [](const c10::intrusive_ptr<F>& self, std::optional<int64_t> timeout_ms) {
+    return timeout_ms ? self->Wait(*timeout_ms) : self->Wait();
+  };
   if constexpr (std::is_same_v<T, dtorch::core::Unit>) {
     // Blocks until ready and consumes the future.
     cls.def("get", [](const c10::intrusive_ptr<F>& self) { self->Get(); });
-    // Like get() within timeout_ms, else raises ("dtorch: timed out") and stays valid.
-    cls.def("wait", [](const c10::intrusive_ptr<F>& self, int64_t ms) { self->Wait(ms); });
+    cls.def(
+        "wait",
+        [wait](const c10::intrusive_ptr<F>& self, std::optional<int64_t> timeout_ms) {
+          wait(self, timeout_ms);
+        },
+        "", {torch::arg("timeout_ms") = torch::arg::none()});
     // The completed future's value (None) or error, without consuming it; raises if not ready.
     cls.def("value", [](const c10::intrusive_ptr<F>& self) { self->Value(); });
   } else {
     cls.def("get", &F::Get);
-    cls.def("wait", &F::Wait);
+    cls.def("wait", wait, "", {torch::arg("timeout_ms") = torch::arg::none()});
     cls.def("value", &F::Value);
   }
   // Blocks up to timeout_ms; True once ready. Does not consume.
@@ -101,8 +112,8 @@ void DefineFuture(torch::Library& m) {
 
 // TensorPromise / VoidPromise, constructed with their kind spec ("memory", "file"). set_value takes
 // the tensor (nothing for a VoidPromise). Pickling (torch.jit.save, pickle) goes through
-// serialize(): memory promises refuse; file promises attach to their pair on first use after
-// unpickling.
+// serialize(): memory promises refuse; a process that unpickles a file or network promise holds
+// its pair from then on.
 template <typename T>
 void DefinePromise(torch::Library& m) {
   using P = Promise<T>;
@@ -115,11 +126,14 @@ void DefinePromise(torch::Library& m) {
       self->SetValue(std::move(value));
     });
   }
-  cls.def("set_exception", &P::SetException)
+  cls.def("set_exception",
+          [](const c10::intrusive_ptr<P>& self, const std::string& message) {
+            self->SetException(message);
+          })
       .def("get_future", &P::GetFuture)
       .def("kind", [](const c10::intrusive_ptr<P>& self) { return self->Kind(); })
       .def("serialize", &P::Serialize)
-      // The promise another process serialized; it attaches to the pair on first use.
+      // The promise another process serialized; this process holds its pair from now on.
       .def_static("from_serialized", &P::FromSerialized)
       .def_pickle([](const c10::intrusive_ptr<P>& self) { return self->Serialize(); },
                   [](std::string state) { return P::FromSerialized(state); });
@@ -148,7 +162,12 @@ TORCH_LIBRARY(dtorch, m) {
   // One VoidFuture per device of a sync, awaited as one.
   auto collect = m.class_<VoidFutureCollect>("VoidFutureCollect");
   collect.def("get", &VoidFutureCollect::Get)
-      .def("wait", &VoidFutureCollect::Wait)
+      .def(
+          "wait",
+          [](const c10::intrusive_ptr<VoidFutureCollect>& self, std::optional<int64_t> timeout_ms) {
+            timeout_ms ? self->Wait(*timeout_ms) : self->Wait();
+          },
+          "", {torch::arg("timeout_ms") = torch::arg::none()})
       .def("wait_for", &VoidFutureCollect::WaitFor)
       .def("value", &VoidFutureCollect::Value)
       .def("is_ready", &VoidFutureCollect::IsReady)

@@ -6,9 +6,12 @@ without synchronising the device. In-process futures alias the input tensor: no 
 
 ``sync()`` / ``sync_async()`` wait for the work queued so far on each device's current stream.
 
-The futures have torch.futures.Future's methods too (``done``, ``value``, ``then``,
-``add_done_callback``, ``to_torch_future``; ``collect_all`` / ``wait_all``), and adopt a
-``torch.futures.Future`` (``TensorFuture(torch_future)``, ``ObjectFuture(torch_future)``).
+The futures have torch.futures.Future's methods too (``done``, ``wait``, ``value``, ``then``,
+``add_done_callback``, ``to_torch_future``; ``collect_all`` / ``wait_all``), concurrent.futures'
+(``result``, ``exception``; ``wait_any``, ``as_completed``), and adopt a ``torch.futures.Future``
+(``TensorFuture(torch_future)``, ``ObjectFuture(torch_future)``). Only ``get()`` consumes a
+future; ``promise.set_exception(exc)`` takes an exception, and ``with promise.fulfilling():``
+fails the promise with whatever the block raises.
 
 Raw ops and classes (TorchScript, C++, torch.compile): ``torch.ops.dtorch.get_tensor_async``,
 ``get_tensor``, ``sync``, ``sync_into``, ``sync_wait``; ``torch.classes.dtorch.TensorFuture``,
@@ -54,10 +57,11 @@ _os.register_at_fork(after_in_child=_C.after_fork_in_child)
 
 class _MultiprocessingChildExit:
     """A multiprocessing child started with fork ends in os._exit, past the library's exit
-    handler; its finalizers still run: one says to the consumers of the file promises it used
-    that it exited (rather than died; they wait until it is gone, as its threads may still set
-    values), and unlinks its doorbell if none of its own pairs is pending. Registered after
-    multiprocessing's own after-fork reset, which clears the finalizers a child inherits."""
+    handler; its finalizers still run: one says to the consumers of the file and network promises
+    it holds that it exited (rather than died; they wait until it is gone, as its threads may
+    still set values), and unlinks its doorbell if none of its own pairs is pending. Registered
+    after multiprocessing's own after-fork reset, which clears the finalizers a child inherits.
+    The same after-fork hook makes the child a holder of the promises among its arguments."""
 
     def __init__(self):
         from multiprocessing import util
@@ -66,9 +70,18 @@ class _MultiprocessingChildExit:
 
     @staticmethod
     def _in_child(_self):
+        import multiprocessing
         from multiprocessing import util
 
-        util.Finalize(None, _C.file_kind_at_child_exit, exitpriority=-100)
+        util.Finalize(None, _C.at_child_exit, exitpriority=-100)
+        # A forked child received its arguments without unpickling them: the promises among
+        # them are held here from now on (as unpickling makes a spawned child their holder), so
+        # that a child that dies before it uses one fails its future at once.
+        process = multiprocessing.current_process()
+        from .futures import _register_holders
+
+        _register_holders(getattr(process, "_args", ()))
+        _register_holders(getattr(process, "_kwargs", {}))
 
 
 _multiprocessing_child_exit = _MultiprocessingChildExit()
@@ -93,13 +106,16 @@ from .futures import (  # noqa: E402
     VoidPromise,
     collect_all,
     get_tensor,
+    as_completed,
     promise_kind_for,
+    run_into,
     sync,
     sync_async,
     sync_into,
     to_torch,
     to_torch_async,
     wait_all,
+    wait_any,
 )
 # After futures (which defines the Python ops that _fake's lowerings and DTensor rules cover).
 from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
@@ -116,7 +132,9 @@ def library_threads() -> dict:
     watcher (``dtorch-doorbell``, at most one) serves this process's pending file futures
     (callbacks, ``await``, producer liveness) and exits when there are none. The network kind's
     (``dtorch-net-watch``, one per store this process awaits values from, and ``dtorch-net-tick``,
-    at most one: heartbeats and liveness) run while network pairs are in flight."""
+    at most one: heartbeats and liveness) run while network pairs are in flight, the tick thread
+    also while this process holds a network promise (its heartbeat is how a consumer on another
+    host knows it lives)."""
     return _C.library_threads()
 
 
@@ -155,6 +173,7 @@ __all__ = [
     "VoidFuture",
     "VoidFutureCollect",
     "VoidPromise",
+    "as_completed",
     "cmake_prefix_path",
     "collect_all",
     "config",
@@ -164,10 +183,12 @@ __all__ = [
     "library_path",
     "library_threads",
     "promise_kind_for",
+    "run_into",
     "sync",
     "sync_async",
     "sync_into",
     "to_torch",
     "to_torch_async",
     "wait_all",
+    "wait_any",
 ]

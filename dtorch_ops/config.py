@@ -68,9 +68,11 @@ class Config:
 
     attach_timeout_s = _LibrarySetting(
         _C.attach_timeout_ms, _C.set_attach_timeout_ms, float, 1000,
-        "File promises: how long a promise in flight (serialized, pickled, or inherited by a "
-        "forked child) whose creator dropped its handle waits for a producer process to attach "
-        "before its future fails with 'no producer attached' (default 30.0).")
+        "File and network promises: how long a promise in flight waits for a process to hold it "
+        "before its future fails with 'no producer attached' (default 30.0): one serialized "
+        "(or inherited by a forked child) whose creator dropped its handle and that no process "
+        "received, and one that a holder passed on (serialized) before every holder was gone, "
+        "counted from then.")
     network_heartbeat_timeout_s = _LibrarySetting(
         _C.network_heartbeat_timeout_ms, _C.set_network_heartbeat_timeout_ms, float, 1000,
         "Network promises: a process with network pairs in flight bumps its heartbeat in the "

@@ -17,8 +17,8 @@ class FutureError(RuntimeError):
 
 
 class BrokenPromiseError(FutureError):
-    """The promise is gone without a value: destroyed unset, or its producer processes died,
-    exited or dropped it ("producer died (pid N)"), or none attached in time."""
+    """The promise is gone without a value: destroyed unset, or every process that held it died,
+    exited or dropped it ("producer died (pid N)"), or none held it in time."""
 
     code = "broken_promise"
 
@@ -36,19 +36,23 @@ class FutureAlreadyRetrievedError(FutureError):
 
 
 class FutureConsumedError(FutureError):
-    """get() or wait() already took the value: a future yields it once."""
+    """get() already took the value: get() yields it once (wait(), result() and value() read
+    it again)."""
 
     code = "no_state"
 
 
 class FutureTimeoutError(FutureError, TimeoutError):
-    """wait(timeout_ms) elapsed; the future stays valid."""
+    """A wait's timeout elapsed (wait, result, wait_all, as_completed, a collect_all timeout);
+    the futures waited for stay as they were."""
 
     code = "timeout"
 
 
 class ProducerError(FutureError):
-    """The producer called set_exception(message)."""
+    """The producer failed the promise: set_exception(message), an exception of a type that is
+    not a built-in one set in another process (its type is named in the message), or a value
+    its set_value / get_tensor refused (the refusal's message)."""
 
     code = "producer_error"
 
@@ -95,6 +99,63 @@ class FutureNotReadyError(FutureError):
     callback), or call get(), which blocks."""
 
     code = "not_ready"
+
+
+# The exceptions a consumer raises as they are when a producer in another process set one of
+# them with set_exception(exc) (their type's name travels; others become a ProducerError).
+_BUILTIN_TYPES = {cls.__name__: cls for cls in (
+    Exception, ArithmeticError, AssertionError, AttributeError, BufferError, EOFError,
+    FloatingPointError, ImportError, IndexError, KeyError, LookupError, MemoryError,
+    ModuleNotFoundError, NameError, NotImplementedError, OSError, OverflowError, RecursionError,
+    ReferenceError, RuntimeError, SyntaxError, TimeoutError, TypeError, UnboundLocalError,
+    UnicodeError, ValueError, ZeroDivisionError, ConnectionError, BrokenPipeError,
+    ConnectionAbortedError, ConnectionRefusedError, ConnectionResetError, FileExistsError,
+    FileNotFoundError, InterruptedError, IsADirectoryError, NotADirectoryError, PermissionError,
+    ProcessLookupError, ChildProcessError)}
+
+
+def _exception_parts(exception: BaseException) -> tuple[str, str, str]:
+    """(type name, message, traceback text) of an exception set on a promise: what travels to a
+    consumer in another process. The name is the built-in's ("ValueError") or "module.QualName";
+    the message the exception's one string argument, else str(exception)."""
+    import traceback
+
+    cls = type(exception)
+    if cls.__module__ == "builtins":
+        name = cls.__qualname__
+    else:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+    name = "".join(c if (c.isascii() and (c.isalnum() or c in "._")) else "_" for c in name)[:127]
+    args = exception.args
+    message = args[0] if len(args) == 1 and isinstance(args[0], str) else str(exception)
+    trace = ""
+    if exception.__traceback__ is not None:
+        trace = "".join(traceback.format_exception(exception))
+    # (Text crosses to C++ strings and messages: a NUL would cut it short there.)
+    return name, message.replace("\0", "\\x00"), trace.replace("\0", "\\x00")
+
+
+def _producer_exception(type_name: str, message: str, trace: str, full_message: str):
+    """What a consumer raises for an exception a producer in another process set: the built-in
+    type it was, with its message (ProducerError naming the type for other types), and a note
+    with the producer's traceback (the binding calls this)."""
+    exception = None
+    cls = _BUILTIN_TYPES.get(type_name)
+    if cls is not None:
+        try:
+            exception = cls(message)
+        except Exception:  # noqa: BLE001 (a type that takes other arguments)
+            exception = None
+    if exception is None:
+        prefix = "dtorch: producer error: "
+        detail = full_message[len(prefix):] if full_message.startswith(prefix) else message
+        exception = ProducerError(f"{prefix}{type_name}: {detail}")
+    note = "dtorch_ops: set by the producer with set_exception()"
+    if trace:
+        note += "; the producer's traceback:\n" + trace.rstrip()
+    if hasattr(exception, "add_note"):
+        exception.add_note(note)
+    return exception
 
 
 _BY_CODE = {cls.code: cls for cls in FutureError.__subclasses__()}

@@ -8,7 +8,9 @@ Inside ``torch.compile`` the functions keep to the ops, which Dynamo can trace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import os
 import sys
 import threading
 import weakref
@@ -18,6 +20,7 @@ import torch
 from . import _C, _graph_ops
 from ._on_import import register_on_import
 from .config import config
+from .errors import FutureError, FutureTimeoutError, _exception_parts
 
 _Tensor = torch.Tensor
 # torch.futures.Future's base class (RPC's futures are instances too).
@@ -116,6 +119,11 @@ def _handle_from_script(handle_class, obj):
         return None
 
 
+def _a(name: str) -> str:
+    """`name` with its article: "an ObjectFuture", "a TensorFuture"."""
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
 def _script_name(obj) -> str:
     """'torch.classes.dtorch.X' for a raw dtorch object, else the Python type's name."""
     if isinstance(obj, torch.ScriptObject):
@@ -195,8 +203,9 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
     (dtorch_ops/_graph_ops.py), so compiled graphs can create and return them.
     """
 
-    # __weakref__: tracing keeps opaque objects in weak dictionaries.
-    __slots__ = ("_h", "_raw", "_pending", "__weakref__")
+    # __weakref__: tracing keeps opaque objects in weak dictionaries. _fanout: the one completion
+    # callback the waits over several futures share (_fanout_of).
+    __slots__ = ("_h", "_raw", "_pending", "_fanout", "__weakref__")
     _HANDLE = None
     _PRODUCED_BY = ""
     # torch.futures.Future -> a handle of _HANDLE completed by it (None: not adoptable).
@@ -250,8 +259,29 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
     raw = property(_script_object_of, doc=(
         "The TorchScript object of the same state (for TorchScript and torch.ops calls)."))
 
-    # get(), wait(timeout_ms), value(), is_ready(), done(), valid() and add_done_callback() are
-    # C++ methods installed by the binding (_C.install_wait_methods, below the classes).
+    # get(), wait(timeout_ms=None, *, timeout=None), result(timeout=None), value(), is_ready(),
+    # done(), valid() and add_done_callback() are C++ methods installed by the binding
+    # (_C.install_wait_methods, below the classes).
+
+    def exception(self, timeout=None, *, timeout_ms=None):
+        """concurrent.futures.Future.exception(): waits like result() (timeout in seconds, or
+        timeout_ms=) and returns the future's error (what get() would raise), or None when it
+        holds a value; past the timeout raises FutureTimeoutError. Consumes nothing."""
+        if _is_dynamo_compiling():
+            return _InGraphEagerly.call_member(self, "exception", timeout,
+                                               timeout_ms=timeout_ms)  # a graph break
+        limit = _C.timeout_ms_of("exception", timeout, timeout_ms)
+        # Waited for without reading its outcome: a wait's own error (a timeout, Ctrl-C) is
+        # raised, the future's is returned.
+        if not self._h.is_ready() and _completion_queue([self]).pop(limit) is None:
+            raise FutureTimeoutError(
+                f"dtorch: timed out: exception(): the future was not complete within "
+                f"{_describe_timeout(timeout, timeout_ms)}; it is still valid, wait again")
+        try:
+            self.value()
+        except BaseException as e:  # noqa: BLE001 (the future's error, whatever its type)
+            return e
+        return None
 
     def then(self, callback):
         """Returns a new future of ``callback(self)``'s result, called once this future is
@@ -305,7 +335,7 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
 
     def __reduce__(self):
         raise TypeError(
-            f"dtorch: a {type(self).__name__} cannot be pickled or copied; send the promise to "
+            f"dtorch: {_a(type(self).__name__)} cannot be pickled or copied; send the promise to "
             "the producer instead"
         )
 
@@ -409,10 +439,16 @@ class ObjectFuture(_Waitable):
         self._h.get()  # waits; raises once consumed, or broken
         return _unpack(self._result)
 
-    def wait(self, timeout_ms):
-        """Like get() if the value arrives within timeout_ms; else raises TimeoutError and the
-        future stays valid."""
-        self._h.wait(timeout_ms)
+    def wait(self, timeout_ms=None, *, timeout=None):
+        """Blocks until the value is ready and returns it (or raises the error), without
+        consuming it. timeout_ms (milliseconds) or timeout= (seconds) bound the wait: past it,
+        raises FutureTimeoutError (a TimeoutError)."""
+        self._h.wait(timeout_ms, timeout=timeout)
+        return _unpack(self._result)
+
+    def result(self, timeout=None, *, timeout_ms=None):
+        """concurrent.futures.Future.result(): wait() with the timeout in seconds."""
+        self._h.result(timeout, timeout_ms=timeout_ms)
         return _unpack(self._result)
 
     def value(self):
@@ -446,15 +482,26 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _pending_object_future(future: ObjectFuture):
-    """Makes `future` pending; returns settle(ok, value), which completes it once."""
+def _pending_object_future(future: ObjectFuture, timeout_ms=None, what=""):
+    """Makes `future` pending; returns settle(ok, value), which completes it once. With
+    timeout_ms, it fails with FutureTimeoutError if not settled by then (what: the message)."""
     promise = _C.VoidPromise("memory")
     future._h = promise.get_future()
     future._result = None
+    lock = threading.Lock()
+    timer = None if timeout_ms is None else _C.fail_after(promise, timeout_ms, what)
 
     def settle(ok, value):
-        future._result = (ok, value)
-        promise.set_value()
+        with lock:  # (one settle at a time; the timeout's timer may complete it meanwhile)
+            if future._h.is_ready():
+                return  # (timed out, or settled already)
+            future._result = (ok, value)
+            try:
+                promise.set_value()
+            except FutureError:
+                return  # (the timeout came first: the future raises it, not this result)
+        if timer is not None:
+            timer.cancel()  # (released now, not at its deadline)
 
     return settle
 
@@ -470,7 +517,7 @@ def _promise_settler(promise, source: str):
         elif isinstance(value, _Tensor):
             promise.set_value(value)
         else:
-            promise.set_exception(f"{source} gave a {type(value).__name__}, not a tensor")
+            promise.set_exception(f"{source} gave {_a(type(value).__name__)}, not a tensor")
 
     return settle
 
@@ -535,17 +582,44 @@ def _check_future(future, what: str) -> None:
                                          if isinstance(future, torch.ScriptObject) else ""))
 
 
-def collect_all(futures) -> ObjectFuture:
+def _future_list(futures, what: str) -> list:
+    if isinstance(futures, (_Waitable, _TorchFuture, torch.ScriptObject)):
+        raise TypeError(f"dtorch_ops.{what} takes a list of futures, got one future: pass "
+                        f"[future]")
+    try:
+        futures = list(futures)
+    except TypeError:
+        raise TypeError(f"dtorch_ops.{what} takes a list of futures, got "
+                        f"{type(futures).__name__}") from None
+    for future in futures:
+        _check_future(future, what)
+    return futures
+
+
+def _describe_timeout(timeout, timeout_ms) -> str:
+    return f"{timeout} s" if timeout is not None else f"{timeout_ms} ms"
+
+
+def collect_all(futures, timeout=None, *, timeout_ms=None) -> ObjectFuture:
     """An ObjectFuture yielding the list of `futures` once all have completed, as
     ``torch.futures.collect_all``; as there, it fails as soon as one of them fails, with that
     future's error. Takes dtorch_ops futures and ``torch.futures.Future`` objects; awaitable.
-    Consumes none of them: read each with ``value()``."""
-    futures = list(futures)
-    for future in futures:
-        _check_future(future, "collect_all")
+    Consumes none of them: read each with ``value()``.
+
+    timeout (seconds) or timeout_ms=: the collected future fails with FutureTimeoutError if they
+    are not all complete by then (a timer of the library's pool, no thread per call)."""
+    return _collect_all(futures, timeout, timeout_ms, "collect_all")
+
+
+def _collect_all(futures, timeout, timeout_ms, what: str) -> ObjectFuture:
+    futures = _future_list(futures, what)
+    limit = _C.timeout_ms_of(what, timeout, timeout_ms)
     collected = _new(ObjectFuture)
-    settle = _pending_object_future(collected)
     remaining = [len(futures)]
+    settle = _pending_object_future(
+        collected, None if limit is None or not futures else limit,
+        f"{what}: not every future was complete within "
+        f"{_describe_timeout(timeout, timeout_ms)}; the futures are still valid")
     lock = threading.Lock()  # callbacks run on the threads that complete the futures
 
     def one_done(future):
@@ -570,14 +644,101 @@ def collect_all(futures) -> ObjectFuture:
     return collected
 
 
-def wait_all(futures) -> list:
+def wait_all(futures, timeout=None, *, timeout_ms=None) -> list:
     """Waits for every future of `futures` and returns their values in order, as
     ``torch.futures.wait_all``: as soon as one fails, raises its error without waiting for the
     others. The futures are not consumed (``value()``). Blocks with the GIL released; in a
-    coroutine, ``await collect_all(futures)`` instead."""
-    futures = collect_all(futures).get()
+    coroutine, ``await collect_all(futures)`` instead.
+
+    timeout (seconds) or timeout_ms=: past it, raises FutureTimeoutError (the futures stay as
+    they are)."""
+    futures = _future_list(futures, "wait_all")
+    limit = _C.timeout_ms_of("wait_all", timeout, timeout_ms)
+    collected = _collect_all(futures, None, None, "wait_all")
+    try:
+        collected._h.wait(limit)
+    except FutureTimeoutError:
+        pending = sum(1 for f in futures if not f.done())
+        raise FutureTimeoutError(
+            f"dtorch: timed out: wait_all: {pending} of {len(futures)} futures were not complete "
+            f"within {_describe_timeout(timeout, timeout_ms)}; the futures are still valid"
+        ) from None
+    collected.get()  # (raises the first error)
     return [future.value() for future in futures]
 
+
+# torch.futures.Future -> its _C.CompletionFanout (ours keep theirs in a slot); the lock makes
+# one fanout per future.
+_torch_future_fanouts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_torch_future_fanouts_lock = threading.RLock()
+
+
+def _fanout_of(future):
+    """The future's one completion callback, shared by every wait over several futures that
+    watches it (a wait_any in a polling loop adds no callback per call)."""
+    if isinstance(future, _Waitable):
+        fanout = getattr(future, "_fanout", None)
+        if fanout is None:
+            with _torch_future_fanouts_lock:  # (one fanout per future, also across threads)
+                fanout = getattr(future, "_fanout", None)
+                if fanout is None:
+                    fanout = future._fanout = _C.CompletionFanout.of(future._h)
+        return fanout
+    with _torch_future_fanouts_lock:
+        fanout = _torch_future_fanouts.get(future)
+        if fanout is None:
+            fanout = _torch_future_fanouts[future] = _C.CompletionFanout()
+            future.add_done_callback(lambda _f, fire=fanout.fire: fire())
+    return fanout
+
+
+def _completion_queue(futures):
+    """A _C.CompletionQueue that each of `futures` posts its index to once complete."""
+    queue = _C.CompletionQueue()
+    for index, future in enumerate(futures):
+        _fanout_of(future).subscribe(queue, index)
+    return queue
+
+
+def wait_any(futures, timeout=None, *, timeout_ms=None) -> tuple[list, list]:
+    """Blocks until at least one of `futures` is complete, as ``concurrent.futures.wait(...,
+    return_when=FIRST_COMPLETED)`` and ``ray.wait``: returns ``(done, pending)``, two lists in
+    the order of `futures` (done: those complete when it returns, failed ones included). Past the
+    timeout (seconds; or timeout_ms=) returns with those done by then (possibly none); it does not
+    raise. Consumes nothing; the GIL is released; no thread per future."""
+    futures = _future_list(futures, "wait_any")
+    limit = _C.timeout_ms_of("wait_any", timeout, timeout_ms)
+    if futures and not any(f.done() for f in futures):
+        _completion_queue(futures).pop(limit)
+    done = [f for f in futures if f.done()]
+    return done, [f for f in futures if not f.done()]
+
+
+def as_completed(futures, timeout=None, *, timeout_ms=None):
+    """Yields `futures` as they complete (as ``concurrent.futures.as_completed``): those complete
+    already first, then each as it completes; a future listed twice is yielded once. The timeout
+    (seconds; or timeout_ms=) counts from this call: when it has passed with futures still
+    pending, the iterator raises FutureTimeoutError (a TimeoutError). Read each with value() or
+    get(); the GIL is released while waiting; no thread per future."""
+    futures = _future_list(futures, "as_completed")
+    limit = _C.timeout_ms_of("as_completed", timeout, timeout_ms)
+    unique = list({id(f): f for f in futures}.values())
+    queue = _completion_queue(unique)
+    import time
+
+    deadline = None if limit is None else time.monotonic() + limit / 1000
+
+    def iterate():
+        for count in range(len(unique)):
+            left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            index = queue.pop(left)
+            if index is None:
+                raise FutureTimeoutError(
+                    f"dtorch: timed out: as_completed: {len(unique) - count} (of {len(unique)}) "
+                    f"futures unfinished after {_describe_timeout(timeout, timeout_ms)}")
+            yield unique[index]
+
+    return iterate()
 
 
 _PROMISE_FORMS = ("The forms that compile: dtorch_ops.get_tensor(t, promise) / sync_into(devices, "
@@ -738,7 +899,10 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
         """Rebuilds a promise that another process serialized (serialize(), or pickling).
 
         The string is checked (format, names, nonce) before anything is opened; a bad one raises
-        InvalidHandleError (a ValueError). The promise attaches to its pair on first use.
+        InvalidHandleError (a ValueError). This process holds the promise from now on: if it
+        dies, exits or drops it without setting it, the consumer's future fails (README,
+        "Ownership: when a pair breaks"); a handle that names no pair of this user raises at
+        first use.
         """
         if not isinstance(s, str):
             raise TypeError(
@@ -756,11 +920,42 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
             return _InGraphEagerly.promise_methods["get_future"](self)
         return self._FUTURE._wrap(self._h.get_future())
 
-    def set_exception(self, message: str) -> None:
-        """Fails the future: its get()/wait()/await raise an error carrying message."""
+    def set_exception(self, exception) -> None:
+        """Fails the future with `exception`, as torch.futures.Future.set_exception: in this
+        process its get() / wait() / value() / await raise that very exception object; in
+        another process (file, network) its type's name, message and traceback travel, and the
+        consumer raises the same built-in type (ValueError, KeyError, RuntimeError, ...) or a
+        ProducerError naming the type, with the producer's traceback as a note. A str (or any
+        other object) fails it with a ProducerError carrying that message. A second set raises
+        PromiseAlreadySatisfiedError."""
         if _is_compiling() and _promise_method_traced("set_exception"):
-            return _InGraphEagerly.promise_methods["set_exception"](self, message)
-        self._h.set_exception(str(message))
+            return _InGraphEagerly.promise_methods["set_exception"](self, exception)
+        if isinstance(exception, type) and issubclass(exception, BaseException):
+            exception = exception()
+        if isinstance(exception, BaseException):
+            self._h.set_exception_object(exception, *_exception_parts(exception))
+        else:
+            self._h.set_exception(str(exception))
+
+    @contextlib.contextmanager
+    def fulfilling(self):
+        """``with promise.fulfilling(): ...``: if the block raises, the promise is failed with
+        that exception (its traceback text travels with it to a consumer in another process) and
+        the exception goes on. The worker's idiom::
+
+            with promise.fulfilling():
+                model = load_model()                    # a failure here reaches the consumer
+                dtorch_ops.get_tensor(model(x), promise)
+
+        A promise the block has set already keeps its value."""
+        try:
+            yield self
+        except BaseException as e:
+            try:
+                self.set_exception(e)
+            except FutureError:
+                pass  # (set already, or failed by its consumer: nothing more to tell)
+            raise
 
     def kind(self) -> str:
         if _is_dynamo_compiling():
@@ -809,7 +1004,8 @@ class TensorPromise(_PromiseBase):
         raises PromiseAlreadySatisfiedError; the first value stays."""
         if _is_compiling() and _promise_method_traced("set_value"):
             return _InGraphEagerly.promise_methods["set_value"](self, t)
-        _check_local_tensor(t, "TensorPromise.set_value")
+        if type(t) is not _Tensor:
+            _check_refused(t, "TensorPromise.set_value", self._h)
         self._h.set_value(t)
 
 
@@ -832,6 +1028,64 @@ class VoidPromise(_PromiseBase):
 # opaque types (promises then carry their TorchScript object from birth, for the raw ops).
 _graph = _graph_ops.define(TensorFuture, TensorListFuture, VoidFutureCollect, TensorPromise,
                           VoidPromise, _C)
+
+
+def _check_refused(t, what: str, handle) -> None:
+    """_check_local_tensor(t, what); a value it refuses also fails the promise (its handle), so
+    that a consumer in another process learns why no value comes."""
+    try:
+        _check_local_tensor(t, what)
+    except TypeError as e:
+        try:
+            handle.set_exception(f"{what.rsplit('.', 1)[-1]} in the producer (pid {os.getpid()}) "
+                                 f"refused the value: {e}")
+        except FutureError:
+            pass  # (set already, or its pair gone)
+        raise
+
+
+def run_into(promise, fn, *args, **kwargs):
+    """Calls ``fn(*args, **kwargs)`` and fulfils `promise` with its result: a tensor through
+    ``get_tensor`` (a TensorPromise: ready once the device work producing it is done), nothing
+    for a VoidPromise (set when fn returns). If fn raises, the promise fails with that exception
+    (``promise.fulfilling()``) and the exception goes on. Returns fn's result."""
+    if not isinstance(promise, _PromiseBase):
+        raise TypeError(f"dtorch_ops.run_into takes a dtorch_ops.TensorPromise or VoidPromise, "
+                        f"got {_script_name(promise)}"
+                        + (" (wrap a raw one: dtorch_ops.TensorPromise(raw))"
+                           if isinstance(promise, torch.ScriptObject) else ""))
+    with promise.fulfilling():
+        result = fn(*args, **kwargs)
+        if isinstance(promise, VoidPromise):
+            promise.set_value()
+        else:
+            get_tensor(result, promise)
+    return result
+
+
+def _register_holders(obj, depth: int = 0, budget=None) -> None:
+    """Registers this process as a holder of the cross-process promises in `obj` (a forked
+    multiprocessing child's arguments: it received them without deserializing them), looking
+    into lists, tuples, sets and dicts a few levels deep."""
+    if budget is None:
+        budget = [10_000]
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 4:
+        return
+    if isinstance(obj, _PromiseBase):
+        if obj._h.kind() != "memory":
+            obj._h.register_holder()
+    elif isinstance(obj, torch.ScriptObject):
+        for wrapper in (TensorPromise, VoidPromise):
+            handle = _handle_from_script(wrapper._HANDLE, obj)
+            if handle is not None and handle.kind() != "memory":
+                handle.register_holder()
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for item in obj:
+            _register_holders(item, depth + 1, budget)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _register_holders(item, depth + 1, budget)
 
 
 def _promise_handle(promise, wrapper=TensorPromise):
@@ -883,7 +1137,9 @@ def get_tensor(t: torch.Tensor, promise) -> None:
     elif type(t) is _Tensor:
         _C.get_tensor(t, _promise_handle(promise))
     else:
-        _C.get_tensor(t, _promise_handle(promise), _above_subclass(t, "get_tensor"))
+        handle = _promise_handle(promise)
+        _check_refused(t, "get_tensor", handle)
+        _C.get_tensor(t, handle, _above_subclass(t, "get_tensor"))
 
 
 def to_torch_async(t, device=None):
@@ -984,7 +1240,8 @@ class _InGraphEagerly:
                    "region runs eagerly (a graph break). To compile the whole step, call get() / "
                    "wait() / is_ready() / kind() / .raw outside the compiled function")
         cls.call_member = staticmethod(disable(
-            lambda obj, name, *args: getattr(obj, name)(*args), reason=waiting))
+            lambda obj, name, *args, **kwargs: getattr(obj, name)(*args, **kwargs),
+            reason=waiting))
         cls.get_member = staticmethod(disable(getattr, reason=waiting))
         cls.to_torch = staticmethod(disable(to_torch, reason=(
             "dtorch_ops.to_torch(t) blocks until t's value is ready, which a compiled graph "

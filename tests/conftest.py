@@ -31,6 +31,16 @@ def require_tool(name: str, why: str) -> str:
     return path
 
 
+def wait_until(predicate, timeout_s: float) -> bool:
+    """Whether predicate() became true within timeout_s (polled every 50 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def run_in_thread(fn, *args):
     """Starts fn(*args) on a daemon thread; returns (thread, result dict with 'value'/'error')."""
     result = {}

@@ -26,16 +26,15 @@ def linger() -> None:
     os._exit(3)
 
 
-def _refused_set(promise) -> tuple:
-    """Uses `promise` with a value the file kind refuses (a meta tensor): the process attaches as
-    a producer without setting anything. Returns describe() of the refusal."""
-    import torch
+HOLDING = ("", "", "holding")
 
-    try:
-        promise.set_value(torch.empty(3, device="meta"))
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        return describe(e)
-    return ("", "", "not refused")
+
+def _hold(promise) -> tuple:
+    """This process holds `promise` (deserialized: a holder from that moment) without setting
+    anything; returns HOLDING. (A value the kind refuses would fail the pair: no longer a way to
+    attach without setting.)"""
+    assert promise.kind() == "file"
+    return HOLDING
 
 
 # ---- what the module's producer process runs (producer_process.ProducerProcess.call) ----------
@@ -69,13 +68,13 @@ def fail(handle: str, message: str) -> None:
 # ---- producers the test kills or lets exit (fork context unless noted) --------------------------
 
 
-def attach_refused_then_linger(handle: str, conn) -> None:
-    """Attaches as a producer through a refused set_value, reports the refusal, waits to die."""
+def hold_then_linger(handle: str, conn) -> None:
+    """Holds the promise (deserialized), reports it, waits to die."""
     die_with_parent()
     import dtorch_ops
 
     promise = dtorch_ops.TensorPromise.from_serialized(handle)
-    conn.send(_refused_set(promise))
+    conn.send(_hold(promise))
     linger()
 
 
@@ -107,33 +106,33 @@ def hold_lock_forever(handle: str, conn) -> None:
     conn.send("returned")  # never reached
 
 
-def attach_refused_then_os_exit(handle: str, conn) -> None:
-    """Attaches through a refused set_value, then leaves with os._exit (no atexit, no
-    destructors): to the library this producer died."""
+def hold_then_os_exit(handle: str, conn) -> None:
+    """Holds the promise (deserialized), then leaves with os._exit (no atexit, no destructors):
+    to the library this producer died."""
     die_with_parent()
     import dtorch_ops
 
     promise = dtorch_ops.TensorPromise.from_serialized(handle)
-    conn.send(_refused_set(promise))
+    conn.send(_hold(promise))
     conn.close()
     os._exit(0)
 
 
-def attach_refused_then_drop_and_linger(handle: str, conn) -> None:
-    """Attaches through a refused set_value, drops its only handle, stays alive."""
+def hold_then_drop_and_linger(handle: str, conn) -> None:
+    """Holds the promise (deserialized), drops its only handle, stays alive."""
     die_with_parent()
     import dtorch_ops
 
     promise = dtorch_ops.TensorPromise.from_serialized(handle)
-    refusal = _refused_set(promise)
+    refusal = _hold(promise)
     del promise
     gc.collect()
     conn.send(refusal)
     linger()
 
 
-def attach_refused_then_exit_normally(handle: str, conn) -> None:
-    """(spawn context) Attaches through a refused set_value and returns: the spawned interpreter
+def hold_then_exit_normally(handle: str, conn) -> None:
+    """(spawn context) Holds the promise (deserialized) and returns: the spawned interpreter
     then exits normally, with the promise still held (kept in a module global) when the
     library's atexit handler runs."""
     die_with_parent()
@@ -141,7 +140,7 @@ def attach_refused_then_exit_normally(handle: str, conn) -> None:
 
     promise = dtorch_ops.TensorPromise.from_serialized(handle)
     _KEPT.append(promise)
-    conn.send(_refused_set(promise))
+    conn.send(_hold(promise))
 
 
 def produce_large_in_sequence(handles: list, numel: int, conn) -> None:
@@ -213,7 +212,7 @@ def serve_values(conn) -> None:
                 promise = dtorch_ops.TensorPromise.from_serialized(handle)
                 value = torch.full((numel,), float(fill))
                 if reporting:
-                    _refused_set(promise)  # attached: killed from now on, it "died"
+                    _hold(promise)  # a holder: killed from now on, it "died"
                     conn.send(("start", i))
                 started = time.monotonic()
                 dtorch_ops.get_tensor(value, promise)

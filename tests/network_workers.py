@@ -107,29 +107,29 @@ def set_again_later(handle: str):
     return try_set(handle, torch.zeros(1))
 
 
-def _refused_set(promise) -> tuple:
-    """Uses `promise` with a value the kind refuses (a meta tensor): the process attaches as a
-    producer without setting anything. Returns describe() of the refusal."""
-    try:
-        promise.set_value(torch.empty(3, device="meta"))
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        return describe(e)
-    return ("", "", "not refused")
+HOLDING = ("", "", "holding")
+
+
+def _hold(promise) -> tuple:
+    """This process holds `promise` (deserialized: a holder from that moment, announced to the
+    consumer) without setting anything; returns HOLDING."""
+    assert promise.kind() == "network"
+    return HOLDING
 
 
 def attach_and_keep(handle: str, name: str) -> tuple:
-    """Attaches through a refused set and keeps the promise (the test kills this process)."""
+    """Holds the promise (deserialized) and keeps it (the test kills this process)."""
     promise = dtorch_ops.TensorPromise.from_serialized(handle)
     _KEPT[name] = promise
-    return _refused_set(promise)
+    return _hold(promise)
 
 
 def attach_and_drop(handle: str) -> tuple:
-    """Attaches through a refused set, then drops its only handle without setting."""
+    """Holds the promise (deserialized), then drops its only handle without setting."""
     import gc
 
     promise = dtorch_ops.TensorPromise.from_serialized(handle)
-    refusal = _refused_set(promise)
+    refusal = _hold(promise)
     del promise
     gc.collect()
     return refusal

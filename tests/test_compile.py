@@ -295,7 +295,7 @@ def test_futures_created_in_a_compiled_step(backend):
             torch.testing.assert_close(row.wait(WAIT_MS), product[1:])
             assert type(done) is dtorch_ops.VoidFutureCollect and done.wait(WAIT_MS) is None
             torch.testing.assert_close(out, product.sum() * 6 + 1)
-            assert not first.valid()
+            assert first.valid() and not again.valid()  # (only get() consumes)
             seen.append(first)
     assert len({id(f) for f in seen}) == 3  # a fresh future each call
 

@@ -191,10 +191,18 @@ def test_tensors_without_data_or_dense_layout_are_refused_clearly():
     future = promise.get_future()
     with pytest.raises(RuntimeError, match="meta tensor has none"):
         promise.set_value(torch.empty(2, device="meta"))
+    # The refusal failed the pair too (so that a consumer elsewhere learns why): a later set
+    # is refused, and the future raises the first refusal.
+    with pytest.raises(dtorch_ops.PromiseAlreadySatisfiedError):
+        promise.set_value(torch.ones(1))
+    with pytest.raises(dtorch_ops.errors.ProducerError, match="refused the value: .*meta tensor"):
+        future.wait(WAIT_MS)
+    promise = dtorch_ops.TensorPromise(kind="file")
+    future = promise.get_future()
     with pytest.raises(RuntimeError, match="strided"):
         promise.set_value(torch.eye(2).to_sparse())
-    promise.set_value(torch.ones(1))  # nothing was claimed by the refused calls
-    assert torch.equal(future.wait(WAIT_MS), torch.ones(1))
+    with pytest.raises(dtorch_ops.errors.ProducerError, match="refused the value: .*strided"):
+        future.wait(WAIT_MS)
 
 
 def _patched(header: bytes, offset: int, value: int, fmt: str = "<i") -> bytes:

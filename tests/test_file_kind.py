@@ -55,7 +55,8 @@ def test_values_of_every_dtype_and_layout_arrive(producer, dtype, shape, layout)
         assert value.stride() == expected.stride()  # dense layouts keep their strides
     else:
         assert value.is_contiguous()
-    assert not future.valid()
+    assert future.valid() and future.get() is value  # (wait() took nothing; get() does)
+    assert not future.valid() and future.done()
 
 
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
@@ -80,8 +81,9 @@ def test_every_dtype_of_the_closed_set_round_trips():
     quantized = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
     with pytest.raises(RuntimeError, match="cannot carry dtype"):
         promise.set_value(quantized)
-    promise.set_value(torch.ones(1))
-    future.get()
+    # The refusal fails the pair too: a consumer elsewhere learns why no value comes.
+    with pytest.raises(dtorch_ops.errors.ProducerError, match="refused the value: .*cannot carry"):
+        future.get()
 
 
 def test_a_64_mib_value_arrives_and_is_a_writable_view(producer):
@@ -163,7 +165,7 @@ def test_serialize_from_serialized_and_the_handle_format(producer):
     assert torch.equal(future.wait(WAIT_MS), torch.arange(3))
     # The segment is gone once the value is taken.
     assert not os.path.exists(f"/dev/shm/{segment}")
-    # Deserializing opens nothing (attaching is on first use), and a void handle is no tensor one.
+    # A void handle is no tensor one (refused before anything is opened).
     void, void_future = file_pair(dtorch_ops.VoidPromise)
     with pytest.raises(dtorch_ops.InvalidHandleError, match="not a tensor one"):
         dtorch_ops.TensorPromise.from_serialized(void.serialize())

@@ -40,7 +40,7 @@ def test_not_ready_while_the_stream_is_held_then_the_values(dev):
     value = future.wait(WAIT_MS)
     assert value.device.type == "cpu" and value.is_pinned()
     assert torch.equal(value, torch.arange(6, dtype=torch.float32) * 2)
-    assert not future.valid()
+    assert future.valid() and future.get() is value and not future.valid()
 
 
 def test_the_copy_is_a_snapshot_of_the_value_at_the_call(dev):

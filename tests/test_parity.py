@@ -15,7 +15,7 @@ import torch
 
 import dtorch_ops
 from dtorch_ops.errors import FutureConsumedError, FutureNotReadyError, ProducerError
-from conftest import WAIT_MS, run_in_thread
+from conftest import WAIT_MS, run_in_thread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,7 +58,7 @@ def test_value_reads_without_consuming_and_get_still_takes(kind):
     assert future.valid() and future.done()
     taken = future.get()
     assert taken is first
-    assert not future.valid() and not future.done()
+    assert not future.valid() and future.done()  # consumed, still complete (torch's done())
     with pytest.raises(FutureConsumedError):
         future.get()
     assert future.value() is first  # as torch's value(): readable while the future lives
@@ -88,12 +88,13 @@ def test_value_of_void_futures_and_of_a_sync():
     promise.set_value()
     assert future.value() is None and future.done()
     collect = dtorch_ops.sync_async()
-    collect.wait(WAIT_MS)  # (consumes: wait() is get() with a bound)
+    collect.wait(WAIT_MS)
+    assert collect.valid()  # (wait() does not consume)
     collect = dtorch_ops.sync_async()
     assert dtorch_ops.wait_all([collect]) == [None]
     assert collect.value() is None and collect.done() and collect.valid()
     collect.get()
-    assert not collect.done() and collect.value() is None
+    assert collect.done() and not collect.valid() and collect.value() is None
 
 
 def test_value_and_get_from_threads_at_once_both_have_the_value():
@@ -261,6 +262,8 @@ def test_a_file_future_read_by_its_callback_and_its_owner_at_once():
     future.add_done_callback(lambda f: seen.append((f.value().tolist(), f.done(), f.valid())))
     promise.set_value(torch.ones(2))
     assert future.value().tolist() == [1.0, 1.0]
+    # (It ran here, or on the pool when the doorbell watcher saw the completion first.)
+    assert wait_until(lambda: seen, 5.0)
     assert seen == [([1.0, 1.0], True, True)]
     assert future.get().tolist() == [1.0, 1.0]
 
@@ -435,7 +438,7 @@ def test_then_makes_a_tensor_future_when_the_callback_returns_a_tensor():
     promise, future = _pair()
     derived = future.then(not_a_tensor)
     promise.set_value(torch.ones(1))
-    with pytest.raises(ProducerError, match="gave a int, not a tensor"):
+    with pytest.raises(ProducerError, match="gave an int, not a tensor"):
         derived.get()
 
 

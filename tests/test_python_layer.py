@@ -409,7 +409,8 @@ def test_timeouts_of_every_shape():
     with pytest.raises(TimeoutError):
         future.wait(0.5)  # half a millisecond, rounded up: not 0
     assert time.monotonic() - start >= 0.0005
-    for bad, error, message in [("1", TypeError, "int or float"), (None, TypeError, "NoneType"),
+    # (None is no limit: wait(timeout_ms=None), as torch.futures' wait() has none.)
+    for bad, error, message in [("1", TypeError, "int or float"), (b"1", TypeError, "bytes"),
                                 (True, TypeError, "bool"), (-1, ValueError, ">= 0"),
                                 (-0.5, ValueError, ">= 0"), (float("nan"), ValueError, "nan"),
                                 (-(2**70), ValueError, ">= 0")]:
@@ -493,9 +494,12 @@ def test_raw_set_value_refuses_a_dtensor():
     try:
         d = DTensor.from_local(torch.ones(2), init_device_mesh("cpu", (1,)), [Replicate()])
         raw = torch.classes.dtorch.TensorPromise("memory")
+        future = raw.get_future()
         with pytest.raises(TypeError, match=r"to_local\(\)"):
             raw.set_value(d)
-        raw.set_value(torch.ones(1))  # the refusal did not use the promise up
+        # The refusal fails the promise too, saying why (a consumer elsewhere learns it).
+        with pytest.raises(RuntimeError, match=r"set_value in the producer .* refused the value"):
+            future.wait()
     finally:
         dist.destroy_process_group()
 

@@ -320,7 +320,10 @@ def _scripted_sync(x: torch.Tensor) -> torch.Tensor:
     collect = torch.ops.dtorch.sync([torch.device("cpu")])
     assert collect.valid()
     collect.wait(10000)
-    assert not collect.valid()
+    collect.wait()
+    assert collect.valid()  # waits consume nothing
+    collect.get()
+    assert not collect.valid() and collect.done()
     torch.ops.dtorch.sync_wait(None)
     promise = torch.classes.dtorch.VoidPromise("memory")
     done = promise.get_future()

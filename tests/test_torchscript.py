@@ -12,8 +12,10 @@ def scripted_get_async(x: torch.Tensor) -> torch.Tensor:
     assert fut.valid()
     ready = fut.is_ready()
     value = fut.wait(10000)
-    assert ready and not fut.valid()
-    return value
+    assert ready and fut.valid()  # wait() consumes nothing
+    taken = fut.get()
+    assert not fut.valid() and fut.done()  # get() does; the future stays complete
+    return taken
 
 
 @torch.jit.script

@@ -14,6 +14,7 @@
 #include "fork_generation.h"
 
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/asio/thread_pool.hpp>
 
@@ -99,6 +100,38 @@ void CompletionPool::Post(Work work) {
   Work counted = st.CountedLocked(std::move(work));
   lock.unlock();
   boost::asio::post(*st.pool, std::move(counted));
+}
+
+CompletionPool::Work CompletionPool::PostAt(std::chrono::steady_clock::time_point when,
+                                            Work work) {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  State& st = StartedLocked();
+  lock.unlock();
+  // On a strand of its own: its expiry and a cancel never run at once (an Asio timer is not
+  // thread-safe).
+  auto strand = boost::asio::make_strand(st.pool->get_executor());
+  auto timer = std::make_shared<boost::asio::steady_timer>(strand, when);
+  timer->async_wait([&st, timer, work = std::move(work)](const boost::system::error_code& error) {
+    if (error) return;  // (cancelled)
+    Work counted;
+    {
+      std::lock_guard<std::mutex> lock(st.mu);
+      if (st.stopped) return;
+      counted = st.CountedLocked(work);
+    }
+    counted();
+  });
+  const uint64_t generation = ForkGeneration();
+  return [weak = std::weak_ptr<boost::asio::steady_timer>(timer), strand, generation] {
+    if (generation != ForkGeneration()) return;  // (a parent's timer: not this process's pool)
+    if (weak.expired()) return;
+    try {
+      boost::asio::post(strand, [weak] {
+        if (const auto timer = weak.lock()) timer->cancel();
+      });
+    } catch (...) {  // (the pool stopped: the timer is abandoned with it)
+    }
+  };
 }
 
 CompletionPool::Strand CompletionPool::MakeStrand() {

@@ -52,6 +52,12 @@ class CompletionPool {
   // Starts the pool if needed. Throws std::runtime_error after Stop, std::system_error when no
   // pool thread can be started.
   void Post(Work work);
+  // Runs `work` on the pool once `when` has come (an Asio timer: no thread waits for it), unless
+  // the returned function (callable from any thread, any number of times) cancelled it first:
+  // a cancelled timer and its work are released at once. Not counted as posted until it fires:
+  // Stop does not wait for it, and a timer still pending at Stop or in a fork child never runs.
+  // Throws as Post.
+  Work PostAt(std::chrono::steady_clock::time_point when, Work work);
   Strand MakeStrand();
 
   // Threads the pool starts with. Throws std::invalid_argument when < 1, std::logic_error once the

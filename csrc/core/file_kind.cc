@@ -36,13 +36,16 @@ using std::chrono::milliseconds;
 constexpr uint64_t kControlMagic = 0x3170666863726f74ULL;  // "torchfp1" (little-endian)
 constexpr uint64_t kDoorbellMagic = 0x3162646863726f74ULL;  // "torchdb1"
 // 3: the consumer's value options are recorded in the block (a handle must name the same).
-constexpr uint32_t kLayoutVersion = 3;
+// 4: handles serialized and deserialized are counted; an error carries its exception's type and
+//    the producer's traceback.
+constexpr uint32_t kLayoutVersion = 4;
 constexpr size_t kSegmentBytes = 4096;  // a control segment and a doorbell: one page each
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kTypeNameBytes = 16;
 constexpr size_t kMaxValueOptionsBytes = 32;  // FileHandle::value_options
 constexpr uint32_t kMaxProducers = 32;
-constexpr size_t kMaxDetailBytes = 1024;
+// An error's text: its detail (message), then as much of the producer's traceback as fits.
+constexpr size_t kMaxErrorTextBytes = 1536;
 constexpr size_t kNameField = shm::kMaxSegmentNameBytes + 1;  // NUL-terminated
 
 // The state word: a phase, and (claimed, value, error) who claimed it.
@@ -102,14 +105,21 @@ struct FileControlBlock {
   std::atomic<uint32_t> waiters;  // consumer threads sleeping on `state`
   std::atomic<uint32_t> flags;
   std::atomic<int64_t> creator_dropped_ms;  // steady clock (CLOCK_MONOTONIC), for the deadline
+  // Handles of the promise serialized and deserialized, in any process (wrapping counts): while
+  // more were serialized than deserialized, a handle may be on its way to a process that will
+  // hold it. A holder increments `deserialized` only after its entry is in the table.
+  std::atomic<uint32_t> serialized;
+  std::atomic<uint32_t> deserialized;
   std::atomic<uint32_t> producer_count;     // entries in use; grows only, under producers_mu
   bip::interprocess_mutex producers_mu;     // robust; guards adding producer entries
   ProducerEntry producers[kMaxProducers];
 
   // The completion, written by the claimant before `state` says value or error.
   uint32_t error_code;
-  uint32_t detail_bytes;
-  char detail[kMaxDetailBytes];
+  uint32_t detail_bytes;     // of error_text: the detail
+  uint32_t traceback_bytes;  // of error_text, after the detail: the producer's traceback
+  char exception_type[kMaxExceptionTypeBytes + 1];  // NUL-terminated; "" for none
+  char error_text[kMaxErrorTextBytes];
   char payload[kNameField];  // the payload segment (payload_pool.h), written before it is used
   uint64_t payload_sequence;  // the value's number in that segment
   uint64_t payload_bytes;
@@ -199,6 +209,22 @@ bool ParseHex(std::string_view hex, unsigned char* out, size_t bytes) {
   return true;
 }
 
+// How many bytes of `text`'s start (end) fit in `room`, cut at a UTF-8 character boundary.
+size_t Utf8Prefix(const std::string& text, size_t room) {
+  size_t bytes = std::min(text.size(), room);
+  if (bytes < text.size()) {
+    while (bytes > 0 && (static_cast<unsigned char>(text[bytes]) & 0xc0) == 0x80) --bytes;
+  }
+  return bytes;
+}
+size_t Utf8Suffix(const std::string& text, size_t room) {
+  size_t bytes = std::min(text.size(), room);
+  while (bytes > 0 && (static_cast<unsigned char>(text[text.size() - bytes]) & 0xc0) == 0x80) {
+    --bytes;
+  }
+  return bytes;
+}
+
 void Ring(DoorbellBlock* doorbell) noexcept {
   if (doorbell == nullptr) return;
   doorbell->rings.fetch_add(1);
@@ -238,10 +264,16 @@ std::tuple<void*, size_t, std::shared_ptr<void>> ReceivePublished(const FileCont
 
 class ChannelBase : public FileChannel {
  public:
+  // `doorbell`: the consumer's, or null until SetDoorbell (a producer maps it at its first claim).
   ChannelBase(std::shared_ptr<shm::Segment> control, uint32_t claimant,
               std::shared_ptr<shm::Segment> doorbell)
-      : control_(std::move(control)), claimant_(claimant), doorbell_(std::move(doorbell)) {}
+      : control_(std::move(control)), claimant_(claimant) {
+    SetDoorbell(std::move(doorbell));
+  }
   ~ChannelBase() override { RetireMapping(std::move(control_)); }
+
+  void CountSerialized() noexcept override { block()->serialized.fetch_add(1); }
+  void CountDeserialized() noexcept override { block()->deserialized.fetch_add(1); }
 
   ClaimOutcome TryClaim() override {
     uint32_t state = State(kPending, 0);
@@ -315,22 +347,36 @@ class ChannelBase : public FileChannel {
     auto* b = block();
     if (b->state.load() != State(kClaimed, claimant_)) return;  // broken meanwhile: its detail stays
     b->error_code = static_cast<uint32_t>(error.code);
-    // At most kMaxDetailBytes, cut at a UTF-8 character boundary.
-    size_t bytes = std::min(error.detail.size(), kMaxDetailBytes);
-    if (bytes < error.detail.size()) {
-      while (bytes > 0 && (static_cast<unsigned char>(error.detail[bytes]) & 0xc0) == 0x80) {
-        --bytes;
-      }
+    // The detail first, then the traceback's end (its most recent calls), each cut at a UTF-8
+    // character boundary.
+    const size_t detail = Utf8Prefix(error.detail, kMaxErrorTextBytes);
+    std::memcpy(b->error_text, error.detail.data(), detail);
+    const size_t traceback = Utf8Suffix(error.origin.traceback, kMaxErrorTextBytes - detail);
+    std::memcpy(b->error_text + detail,
+                error.origin.traceback.data() + error.origin.traceback.size() - traceback,
+                traceback);
+    b->detail_bytes = static_cast<uint32_t>(detail);
+    b->traceback_bytes = static_cast<uint32_t>(traceback);
+    std::memset(b->exception_type, 0, sizeof(b->exception_type));
+    if (ValidExceptionType(error.origin.exception_type)) {
+      std::memcpy(b->exception_type, error.origin.exception_type.data(),
+                  error.origin.exception_type.size());
     }
-    std::memcpy(b->detail, error.detail.data(), bytes);
-    b->detail_bytes = static_cast<uint32_t>(bytes);
     Finish(kError);
   }
 
  protected:
   FileControlBlock* block() const { return static_cast<FileControlBlock*>(control_->data()); }
-  DoorbellBlock* doorbell() const {
-    return doorbell_ ? static_cast<DoorbellBlock*>(doorbell_->data()) : nullptr;
+  // The doorbell to ring (null: none known yet).
+  DoorbellBlock* doorbell() const { return doorbell_block_.load(std::memory_order_acquire); }
+  // Sets the doorbell, once (a later call changes nothing).
+  void SetDoorbell(std::shared_ptr<shm::Segment> segment) {
+    if (!segment) return;
+    std::lock_guard<std::mutex> lock(doorbell_mu_);
+    if (doorbell_) return;
+    doorbell_ = std::move(segment);
+    doorbell_block_.store(static_cast<DoorbellBlock*>(doorbell_->data()),
+                          std::memory_order_release);
   }
 
  private:
@@ -348,19 +394,81 @@ class ChannelBase : public FileChannel {
 
   std::shared_ptr<shm::Segment> control_;  // (moved out only by the destructor)
   const uint32_t claimant_;
-  const std::shared_ptr<shm::Segment> doorbell_;
+  std::mutex doorbell_mu_;
+  std::shared_ptr<shm::Segment> doorbell_;  // guarded by doorbell_mu_: set once, then kept
+  std::atomic<DoorbellBlock*> doorbell_block_{nullptr};  // doorbell_'s block, for lock-free rings
 };
+
+// The creator's own handle's channel: an error it publishes keeps its exception object for the
+// consumer of this same process (the block carries only its type and traceback).
+class CreatorsChannel final : public ChannelBase {
+ public:
+  CreatorsChannel(std::shared_ptr<shm::Segment> control, std::shared_ptr<shm::Segment> doorbell,
+                 std::function<void(std::shared_ptr<const NativeError>)> keep_native)
+      : ChannelBase(std::move(control), kCreatorClaimant, std::move(doorbell)),
+        keep_native_(std::move(keep_native)) {}
+
+  void PublishError(const ErrorInfo& error) noexcept override {
+    if (error.origin.native) {
+      try {
+        keep_native_(error.origin.native);
+      } catch (...) {  // (out of memory: the consumer raises the type and message instead)
+      }
+    }
+    ChannelBase::PublishError(error);
+  }
+
+ private:
+  const std::function<void(std::shared_ptr<const NativeError>)> keep_native_;
+};
+
+// The doorbell of the consumer whose control block this is, mapped for a producer of this
+// process (shared by its attachments). Null when it is gone (nobody needs a ring then). Throws
+// FutureError(kInvalidHandle) for a corrupt one.
+std::shared_ptr<shm::Segment> ConsumerDoorbellOf(const std::string& segment,
+                                                 const FileControlBlock* block);
+
+// A handle deserialized in the pair's creator process, there: it completes the pair as the
+// creator's own handle does (no entry in the producer table: the creator's copies are no
+// holders), its doorbell mapped at its first claim.
+class CopyInCreatorChannel final : public ChannelBase {
+ public:
+  CopyInCreatorChannel(std::shared_ptr<shm::Segment> control, std::string segment)
+      : ChannelBase(std::move(control), kCreatorClaimant, nullptr), segment_(std::move(segment)) {}
+
+  ClaimOutcome TryClaim() override {
+    if (doorbell() == nullptr) SetDoorbell(ConsumerDoorbellOf(segment_, block()));
+    return ChannelBase::TryClaim();
+  }
+
+ private:
+  const std::string segment_;
+};
+
+bool IsCreatorProcess(const FileControlBlock* block) {
+  const auto self = shm::Self();
+  return block->creator_pid == self.pid && block->creator_start == self.start_time;
+}
 
 // A producer process's attachment: its entry in the producer table.
 class ProducerAttachment final : public ChannelBase {
  public:
-  ProducerAttachment(std::shared_ptr<shm::Segment> control, uint32_t slot,
-                     std::shared_ptr<shm::Segment> doorbell)
-      : ChannelBase(std::move(control), slot, std::move(doorbell)), slot_(slot), pid_(shm::CurrentPid()) {}
+  // The doorbell is mapped at the first claim: a process that only holds the promise maps nothing
+  // more, and starts no thread (the watcher that releases mapped doorbells).
+  ProducerAttachment(std::shared_ptr<shm::Segment> control, std::string segment, uint32_t slot)
+      : ChannelBase(std::move(control), slot, nullptr),
+        segment_(std::move(segment)),
+        slot_(slot),
+        pid_(shm::CurrentPid()) {}
 
   ~ProducerAttachment() override { Leave(kDropped); }
 
   const FileControlBlock* control_block() const { return block(); }
+
+  ClaimOutcome TryClaim() override {
+    if (doorbell() == nullptr) SetDoorbell(ConsumerDoorbellOf(segment_, block()));
+    return ChannelBase::TryClaim();
+  }
 
   // This process no longer produces: its handles are gone (kDropped) or it exits (kExited).
   void Leave(uint32_t why) noexcept {
@@ -368,11 +476,14 @@ class ProducerAttachment final : public ChannelBase {
     uint32_t attached = kAttached;
     if (block()->producers[slot_].state.compare_exchange_strong(attached, why) &&
         !IsDone(block()->state.load())) {
-      Ring(doorbell());  // (the pair may have lost its last producer: tell the watcher now)
+      // (The pair may have lost its last producer: tell the watcher now. A holder that never
+      // claimed knows no doorbell: the watcher's liveness round finds it.)
+      Ring(doorbell());
     }
   }
 
  private:
+  const std::string segment_;
   const uint32_t slot_;
   const int32_t pid_;
 };
@@ -472,10 +583,18 @@ class ConsumerImpl final : public FileConsumer {
   bool InCreatorProcess() const override { return shm::CurrentPid() == creator_pid_; }
 
   std::shared_ptr<FileChannel> CreatorChannel() override {
-    return std::make_shared<ChannelBase>(control_, kCreatorClaimant, doorbell_);
+    return std::make_shared<CreatorsChannel>(
+        control_, doorbell_, [native = native_error_](std::shared_ptr<const NativeError> error) {
+          std::lock_guard<std::mutex> lock(native->mu);
+          native->error = std::move(error);
+        });
   }
 
-  void MarkLeftProcess() override { block()->flags.fetch_or(kLeftProcess); }
+  void MarkLeftProcess() override {
+    block()->flags.fetch_or(kLeftProcess);
+    block()->serialized.fetch_add(1);
+  }
+  void CountSerialized() noexcept override { block()->serialized.fetch_add(1); }
 
   void CreatorDropped() override {
     auto* b = block();
@@ -517,7 +636,7 @@ class ConsumerImpl final : public FileConsumer {
   bool IsReady() const override {
     if (!InCreatorProcess()) return true;  // get() raises at once there
     std::lock_guard<std::mutex> lock(mu_);
-    return !retrieved_ && IsDone(block()->state.load());
+    return retrieved_ || IsDone(block()->state.load());  // (taken: complete)
   }
 
   bool Valid() const override {
@@ -592,10 +711,15 @@ class ConsumerImpl final : public FileConsumer {
       return false;
     }
     if (Phase(state) != kPending) return false;
+    // The counts first, then the table: a holder is in the table before it counts its
+    // deserialization, so a handle that reached a process is seen in one or the other.
+    const uint32_t serialized = b->serialized.load();
+    const uint32_t deserialized = b->deserialized.load();
+    const bool in_flight = static_cast<int32_t>(serialized - deserialized) > 0;
     const uint32_t count = std::min(b->producer_count.load(std::memory_order_acquire),
                                     kMaxProducers);
     if (count > 0) {
-      int32_t died = 0, exited = 0;
+      int32_t died = 0, exited = 0, dropped = 0;
       for (uint32_t i = 0; i < count; ++i) {
         auto& entry = b->producers[i];
         const uint32_t entry_state = entry.state.load();
@@ -609,15 +733,29 @@ class ConsumerImpl final : public FileConsumer {
           }
           if (entry_state == kAttached && died == 0) died = producer.pid;
           if (entry_state == kExited && exited == 0) exited = producer.pid;
+        } else if (entry_state == kDropped && dropped == 0) {
+          dropped = producer.pid;
         }
       }
       if (!no_producer_since_) no_producer_since_ = now;
+      if (in_flight) {
+        // A holder passed the promise on (serialized it) before it went, and it has not arrived
+        // yet: the attach deadline is the backstop for a handle that never will.
+        if (now - *no_producer_since_ < milliseconds(attach_timeout_ms.load())) return false;
+        Break(state, FutureErrc::kBrokenPromise,
+              "no producer attached within " + std::to_string(attach_timeout_ms.load()) +
+                  " ms after the last process holding the promise was gone, and " +
+                  std::to_string(serialized - deserialized) + " serialized handle(s) of it " +
+                  "were never deserialized (config.attach_timeout_s)");
+        return false;
+      }
       if (now - *no_producer_since_ < kNoProducerGrace) return false;
       std::string why =
           died != 0 ? "producer died (pid " + std::to_string(died) + ") without setting a value"
           : exited != 0
               ? "producer exited (pid " + std::to_string(exited) + ") without setting a value"
-              : std::string("every producer dropped the promise without setting a value");
+              : "producer dropped the promise (pid " + std::to_string(dropped) +
+                    ") without setting a value";
       Break(state, FutureErrc::kBrokenPromise, why);
       return false;
     }
@@ -692,15 +830,26 @@ class ConsumerImpl final : public FileConsumer {
     }
   }
 
+  // The published error (written by a producer: checked). Its exception object, when the
+  // creator's own handle set it in this process (the block carries its type and traceback only).
   ErrorInfo ReadError() const {
     auto* b = block();
     const uint32_t code = b->error_code;
-    const size_t bytes = std::min<size_t>(b->detail_bytes, kMaxDetailBytes);
-    std::string detail(b->detail, bytes);
+    const size_t detail = std::min<size_t>(b->detail_bytes, kMaxErrorTextBytes);
+    const size_t traceback = std::min<size_t>(b->traceback_bytes, kMaxErrorTextBytes - detail);
+    ErrorInfo error{static_cast<FutureErrc>(code), std::string(b->error_text, detail)};
     if (code > static_cast<uint32_t>(kLastFutureErrc)) {
       return {FutureErrc::kInvalidHandle, "the published error is corrupt"};
     }
-    return {static_cast<FutureErrc>(code), std::move(detail)};
+    error.origin.exception_type.assign(
+        b->exception_type, strnlen(b->exception_type, sizeof(b->exception_type)));
+    if (!ValidExceptionType(error.origin.exception_type)) error.origin.exception_type.clear();
+    error.origin.traceback.assign(b->error_text + detail, traceback);
+    if (Claimant(b->state.load()) == kCreatorClaimant) {
+      std::lock_guard<std::mutex> lock(native_error_->mu);
+      error.origin.native = native_error_->error;
+    }
+    return error;
   }
 
   // Completes the pair with an error from here, unless it moved on from `expected` meanwhile.
@@ -726,6 +875,12 @@ class ConsumerImpl final : public FileConsumer {
   const int32_t creator_pid_;
   const uint64_t forks_at_creation_;
   const std::shared_ptr<SharedState<Unit>> ready_ = std::make_shared<SharedState<Unit>>();
+  // The exception object the creator's own handle set (CreatorsChannel), raised as it is here.
+  struct NativeSlot {
+    std::mutex mu;
+    std::shared_ptr<const NativeError> error;  // guarded by mu
+  };
+  const std::shared_ptr<NativeSlot> native_error_ = std::make_shared<NativeSlot>();
   std::atomic<bool> future_retrieved_{false};
   std::atomic<bool> unlinked_{false};
   std::atomic<bool> has_callbacks_{false};
@@ -977,6 +1132,13 @@ std::shared_ptr<shm::Segment> ProducerDoorbell(ProcessState& state, const std::s
   return segment;
 }
 
+std::shared_ptr<shm::Segment> ConsumerDoorbellOf(const std::string& segment,
+                                                 const FileControlBlock* block) {
+  const std::string name = ReadName(block->doorbell);
+  if (!shm::ParseSegmentName(name)) throw InvalidSegment(segment, "its doorbell's name is corrupt");
+  return ProducerDoorbell(*process_state, name, block->doorbell_nonce);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -1111,11 +1273,9 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
   if (!control) return nullptr;  // the pair is gone
   auto* block = static_cast<FileControlBlock*>(control->data());
   CheckControlBlock(block, handle);
-  const std::string doorbell_name = ReadName(block->doorbell);
-  if (!shm::ParseSegmentName(doorbell_name)) {
-    throw InvalidSegment(handle.segment, "its doorbell's name is corrupt");
+  if (IsCreatorProcess(block)) {
+    return std::make_shared<CopyInCreatorChannel>(std::move(control), handle.segment);
   }
-  auto doorbell = ProducerDoorbell(state, doorbell_name, block->doorbell_nonce);
 
   uint32_t slot = 0;
   try {
@@ -1126,31 +1286,50 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
                         "another process has held this promise's lock for " +
                             std::to_string(kLockTimeoutS) + " s; it seems stuck");
     }
-    slot = block->producer_count.load();
-    if (slot >= kMaxProducers) {
-      throw FutureError(FutureErrc::kSharedMemory,
-                        "more than " + std::to_string(kMaxProducers) +
-                            " processes used this promise; a promise has at most that many "
-                            "producer processes");
-    }
     const auto self = shm::Self();
-    block->producers[slot].pid = self.pid;
-    block->producers[slot].start_time = self.start_time;
-    block->producers[slot].state = kAttached;
-    block->producer_count.store(slot + 1, std::memory_order_release);
+    const uint32_t count = std::min(block->producer_count.load(), kMaxProducers);
+    slot = count;
+    // This process's entry of a handle it dropped is taken again: a process that receives the
+    // promise time and again (a queue, a loop) keeps one entry.
+    for (uint32_t i = 0; i < count; ++i) {
+      const auto& entry = block->producers[i];
+      if (entry.pid.load() == self.pid && entry.start_time.load() == self.start_time &&
+          entry.state.load() == kDropped) {
+        slot = i;
+        break;
+      }
+    }
+    if (slot < count) {
+      block->producers[slot].state = kAttached;
+    } else {
+      if (slot >= kMaxProducers) {
+        throw FutureError(FutureErrc::kSharedMemory,
+                          "more than " + std::to_string(kMaxProducers) +
+                              " processes held this promise; a promise has at most that many "
+                              "producer processes");
+      }
+      block->producers[slot].pid = self.pid;
+      block->producers[slot].start_time = self.start_time;
+      block->producers[slot].state = kAttached;
+      block->producer_count.store(slot + 1, std::memory_order_release);
+    }
   } catch (const bip::lock_exception&) {
     // The consumer may not know that producer (it may have died before registering): the pair
     // is failed here.
     const std::string why = "a producer died holding this promise's lock, so the promise can "
                             "no longer be used";
+    std::shared_ptr<shm::Segment> doorbell;
+    try {
+      doorbell = ConsumerDoorbellOf(handle.segment, block);
+    } catch (...) {  // (a corrupt doorbell: the watcher's liveness round still sees the failure)
+    }
     ChannelBase breaker(control, kLockBreakerClaimant, doorbell);
     if (breaker.TryClaim() == ClaimOutcome::kClaimed) {
       breaker.PublishError({FutureErrc::kBrokenPromise, why});
     }
     throw FutureError(FutureErrc::kBrokenPromise, why);
   }
-  auto attachment = std::make_shared<ProducerAttachment>(std::move(control), slot,
-                                                         std::move(doorbell));
+  auto attachment = std::make_shared<ProducerAttachment>(std::move(control), handle.segment, slot);
   std::lock_guard<std::mutex> lock(state.mu);
   auto& cached = state.attachments[handle.segment];
   if (auto raced = cached.lock()) return raced;  // another thread attached meanwhile
@@ -1163,6 +1342,43 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
     state.attachments_after_sweep = state.attachments.size();
   }
   return attachment;
+}
+
+std::shared_ptr<FileChannel> RegisterFileHolder(const FileHandle& handle,
+                                                std::shared_ptr<shm::Segment> mapped,
+                                                bool* counted) noexcept {
+  *counted = false;
+  if (!mapped) return nullptr;
+  try {
+    auto* block = static_cast<FileControlBlock*>(mapped->data());
+    CheckControlBlock(block, handle);
+    if (IsCreatorProcess(block)) {
+      block->deserialized.fetch_add(1);  // (the creator's own handle holds the pair here)
+      *counted = true;
+      return nullptr;
+    }
+    auto channel = AttachFileProducer(handle, mapped);
+    if (channel) {
+      block->deserialized.fetch_add(1);  // (after its entry: FileControlBlock)
+      *counted = true;
+    }
+    return channel;
+  } catch (...) {
+    return nullptr;  // (the first use attaches again, and says why it cannot)
+  }
+}
+
+void CountFileSerialization(const FileHandle& handle,
+                            std::shared_ptr<shm::Segment> mapped) noexcept {
+  try {
+    if (!mapped) mapped = shm::Segment::Open(handle.segment, kSegmentBytes);
+    if (!mapped) return;  // (the pair is gone: nothing waits for the count)
+    auto* block = static_cast<FileControlBlock*>(mapped->data());
+    CheckControlBlock(block, handle);
+    block->serialized.fetch_add(1);
+  } catch (...) {
+    // (Not the pair's segment, or /dev/shm refuses: the handle is passed on all the same.)
+  }
 }
 
 std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name,
@@ -1304,8 +1520,10 @@ std::string FileDoorbellSegment() {
 }
 
 void HoldFilePromiseLockForTesting(const FileHandle& handle) {
-  auto channel = AttachFileProducer(handle);
-  if (!channel) throw std::runtime_error("the pair is gone");
+  // (Received as a deserialized promise is: a holder, its deserialization counted.)
+  bool counted = false;
+  auto channel = RegisterFileHolder(handle, MapFileControlSegment(handle), &counted);
+  if (!channel) throw std::runtime_error("the pair is gone, or this process cannot hold it");
   auto control = shm::Segment::Open(handle.segment, kSegmentBytes);
   auto* block = static_cast<FileControlBlock*>(control->data());
   block->producers_mu.lock();

@@ -5,11 +5,14 @@
 // holding the completion's state word, the table of producer processes, and the completion
 // itself (an error, or a value's header and the name of its payload segment), and what a handle
 // must match: a nonce, the value type and the consumer's value options. The promise is serialized
-// ("dtorch-promise:1:file:<type>:<segment>:<nonce>[:<options>]") and shipped to producers; a
-// producer attaches on first use (not on deserialization: tracing, jit.load and export.load make
-// copies that never produce), checking the handle against the segment before it registers its
-// process in the table. (Deserializing maps the control segment ahead, registering nothing: a
-// promise shipped ahead of its value is set without a system call for it.)
+// ("dtorch-promise:1:file:<type>:<segment>:<nonce>[:<options>]") and shipped to producers. A
+// process that receives a handle is a holder from that moment: deserializing it maps the control
+// segment, checks the handle against it and registers the process in the table (no payload is
+// mapped, no thread started: the consumer's doorbell is mapped at the first claim), so that a
+// worker that dies before it uses the promise fails the future at once. A handle inherited by a
+// forked child registers on first use, or when the binding says the child received it
+// (RegisterHolder: a multiprocessing child's arguments). A promise shipped ahead of its value is
+// then set without a system call for it.
 //
 // Completing. The state word goes pending -> claimed (by one handle, a compare-and-swap: fulfil
 // once, across processes) -> value or error, the last step a compare-and-swap from that same
@@ -29,12 +32,16 @@
 // segment guards only the producer table (a producer that finds its owner dead fails the pair).
 //
 // Liveness (checked by the watcher every 250 ms). Processes are told apart by pid, start time and
-// pid namespace (a promise refuses producers of another pid namespace). Once a producer has
-// registered, the future fails with "broken promise" when every registered producer has exited
+// pid namespace (a promise refuses producers of another pid namespace). Once a holder has
+// registered, the future fails with "broken promise" when every registered holder has exited
 // (and is gone), died (SIGKILL included; zombies count as dead) or dropped its handle without
-// setting; a producer that died after claiming fails it at once. A promise that never left its
-// process breaks when the creator drops it; one that did (serialized, or the process forked) and
-// whose creator dropped it fails with "no producer attached" after the attach deadline.
+// setting, unless a handle is in flight: the block counts serializations and deserializations,
+// and while more were serialized (a holder passed it on before it went) the attach deadline is
+// the backstop instead. The creator's own handle never counts as a holder. A producer that died
+// after claiming fails the pair at once. A promise that never left its process breaks when the
+// creator drops it; one that did (serialized, or the process forked) and that no holder
+// registered for fails with "no producer attached" after the attach deadline, counted from the
+// creator's drop.
 //
 // Nothing left behind. Segments are created exclusively, mode 0600; the consumer unlinks the
 // control segment when the value is taken or the pair is gone, and a new payload's name when it
@@ -100,8 +107,13 @@ enum class ClaimOutcome {
 class FileChannel {
  public:
   virtual ~FileChannel() = default;
-  // Claims the completion, unless the pair was claimed (or failed) already.
+  // Claims the completion, unless the pair was claimed (or failed) already. Throws
+  // FutureError(kInvalidHandle) when the consumer's doorbell is not what the pair names.
   virtual ClaimOutcome TryClaim() = 0;
+  // A handle of the pair was serialized (deserialized) in this process (FileControlBlock's
+  // counts).
+  virtual void CountSerialized() noexcept = 0;
+  virtual void CountDeserialized() noexcept = 0;
   // After TryClaim(): publishes a value (a payload of payload_bytes, filled by `write`), or an
   // error. PublishValue throws FutureError(kSharedMemory) when the payload cannot be made, after
   // publishing that error to the consumer instead. Nothing is published if the consumer failed
@@ -123,6 +135,20 @@ class FileChannel {
 // `mapped`: the control segment MapFileControlSegment mapped ahead, if it could.
 std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
                                                 std::shared_ptr<shm::Segment> mapped = nullptr);
+// A promise was deserialized in this process: registers it as a holder (AttachFileProducer on
+// `mapped`, the control segment MapFileControlSegment mapped) and counts the deserialization;
+// in the pair's creator process only counts it (its copies are no holders). Null when it did
+// not attach (the creator process, a pair that is gone, nothing mapped, any failure: the first
+// use attaches and says why); *counted says whether the deserialization was counted (else the
+// first attach counts it).
+std::shared_ptr<FileChannel> RegisterFileHolder(const FileHandle& handle,
+                                                std::shared_ptr<shm::Segment> mapped,
+                                                bool* counted) noexcept;
+// A handle of the pair was serialized in a process that holds it without being attached (or
+// holds nothing): counts it in the control segment (`mapped`, or opened here), registering
+// nothing.
+void CountFileSerialization(const FileHandle& handle,
+                            std::shared_ptr<shm::Segment> mapped) noexcept;
 // Maps the control segment `handle` names, ahead of the first use of a promise deserialized
 // here (so that setting it makes no system call for it): null when that fails (the attach at
 // first use then says why). Registers nothing.
@@ -142,8 +168,10 @@ class FileConsumer : public ReceivedSource {
   virtual bool InCreatorProcess() const = 0;
   // The creator's own way to complete the pair.
   virtual std::shared_ptr<FileChannel> CreatorChannel() = 0;
-  // The promise may reach other processes (it was serialized).
+  // The promise may reach other processes (it was serialized here): counts the serialization.
   virtual void MarkLeftProcess() = 0;
+  // A handle was serialized in a forked child of the creator (the mapping is inherited).
+  virtual void CountSerialized() noexcept = 0;
   // The creator's promise handle is gone: breaks the pair at once if it never left the process,
   // or starts the attach deadline.
   virtual void CreatorDropped() = 0;
@@ -202,11 +230,20 @@ class FilePromise final : public PromiseBackend<T> {
       : codec_(std::move(codec)),
         consumer_(FileConsumer::Create(codec_->TypeName(), value_options)),
         handle_(consumer_->handle()) {}
-  // A promise another process serialized: attaches on first use.
+  // A promise another process serialized: this process holds it from now on (RegisterFileHolder;
+  // beyond MapFileControlSegment's cap of handles mapped ahead, on first use).
   FilePromise(FileHandle handle, std::shared_ptr<const ValueCodec<T>> codec)
       : codec_(std::move(codec)),
         handle_(std::move(handle)),
-        premapped_(MapFileControlSegment(handle_)) {}
+        premapped_(MapFileControlSegment(handle_)) {
+    bool counted = false;
+    if (auto channel = RegisterFileHolder(handle_, premapped_, &counted)) {
+      channel_ = std::move(channel);
+      attached_pid_ = shm::CurrentPid();
+      premapped_.reset();  // (the attachment maps it)
+    }
+    if (!counted) uncounted_in_ = shm::CurrentPid();  // (counted when it attaches)
+  }
 
   ~FilePromise() override {
     if (consumer_ && consumer_->InCreatorProcess()) consumer_->CreatorDropped();
@@ -240,11 +277,34 @@ class FilePromise final : public PromiseBackend<T> {
   }
 
   std::string Serialize() override {
-    if (consumer_ && consumer_->InCreatorProcess()) consumer_->MarkLeftProcess();
+    if (consumer_) {
+      consumer_->InCreatorProcess() ? consumer_->MarkLeftProcess() : consumer_->CountSerialized();
+    } else {
+      std::shared_ptr<FileChannel> channel;
+      std::shared_ptr<shm::Segment> premapped;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (attached_pid_ == shm::CurrentPid()) channel = channel_;
+        premapped = premapped_;
+      }
+      // (Counted without attaching: serializing uses nothing of the pair.)
+      if (channel) {
+        channel->CountSerialized();
+      } else {
+        CountFileSerialization(handle_, std::move(premapped));
+      }
+    }
     return handle_.Serialize();
   }
   const char* Kind() const override { return "file"; }
   bool CopiesValueOut() const override { return true; }
+
+  void RegisterHolder() noexcept override {
+    try {
+      Attach();
+    } catch (...) {  // (its first use says why)
+    }
+  }
 
  protected:
   void ClaimShared(const char* producer) override {
@@ -289,6 +349,9 @@ class FilePromise final : public PromiseBackend<T> {
     if (attached_pid_ != pid) {  // (else another thread attached meanwhile: the same channel)
       channel_ = std::move(channel);
       attached_pid_ = pid;
+      // A deserialization RegisterFileHolder did not count (beyond the mapped-ahead cap, a
+      // failure then): counted now, after the entry.
+      if (uncounted_in_.exchange(0) == pid && channel_) channel_->CountDeserialized();
     }
     return channel_;
   }
@@ -297,6 +360,7 @@ class FilePromise final : public PromiseBackend<T> {
   const std::shared_ptr<FileConsumer> consumer_;  // null unless this handle created the pair
   const FileHandle handle_;
   std::atomic<int32_t> claimed_in_{0};             // the process whose Claim() this handle holds
+  mutable std::atomic<int32_t> uncounted_in_{0};  // whose deserialization is not counted yet
   std::atomic<bool> delivers_{false};              // that claim reached a pair that is there
   mutable std::mutex mu_;
   mutable int32_t attached_pid_ = 0;               // guarded by mu_: 0 until attached

@@ -6,8 +6,10 @@
 // parsing messages.
 #pragma once
 
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include <dtorch/types.h>
 
@@ -58,20 +60,58 @@ inline const char* FutureErrcId(FutureErrc code) {
   return "unknown";
 }
 
+// An exception object of the language binding that set it (Python's set_exception(exc)), opaque
+// to the core: a consumer in the same process raises that very object. It never leaves the
+// process. The binding derives from it; its destructor may run on any thread.
+class NativeError {
+ public:
+  virtual ~NativeError() = default;
+};
+
+// What a producer's exception says beyond its code and detail (kProducerError, set from an
+// exception): its type's name in the producer's language ("ValueError", "torch.OutOfMemoryError";
+// [A-Za-z0-9_.], at most kMaxExceptionTypeBytes), the producer's traceback text (may be empty,
+// cut to the kinds' limits), and, in the process that set it, the object itself. Types and
+// tracebacks travel between processes; the object does not.
+struct ErrorOrigin {
+  std::string exception_type;
+  std::string traceback;
+  std::shared_ptr<const NativeError> native;
+
+  bool empty() const noexcept { return exception_type.empty() && traceback.empty() && !native; }
+};
+
+inline constexpr size_t kMaxExceptionTypeBytes = 127;
+
+// Whether `name` may be an ErrorOrigin::exception_type (what another process sent is checked).
+inline bool ValidExceptionType(const std::string& name) {
+  if (name.size() > kMaxExceptionTypeBytes) return false;
+  for (const char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.';
+    if (!ok) return false;
+  }
+  return true;
+}
+
 class FutureError : public std::runtime_error {
  public:
-  FutureError(FutureErrc code, const std::string& detail)
+  FutureError(FutureErrc code, const std::string& detail, ErrorOrigin origin = {})
       : std::runtime_error(std::string("dtorch: ") + FutureErrcName(code) + ": " + detail),
         code_(code),
-        detail_(detail) {}
+        detail_(detail),
+        origin_(std::move(origin)) {}
 
   FutureErrc code() const noexcept { return code_; }
   // The message without the "dtorch: <code>: " prefix (for a producer error: the producer's text).
   const std::string& detail() const noexcept { return detail_; }
+  // For a producer error set from an exception (empty otherwise).
+  const ErrorOrigin& origin() const noexcept { return origin_; }
 
  private:
   FutureErrc code_;
   std::string detail_;
+  ErrorOrigin origin_;
 };
 
 // The detail of kNotReady, for every kind.

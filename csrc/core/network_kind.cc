@@ -1,10 +1,13 @@
 #include "network_kind.h"
 
 #include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -65,6 +68,9 @@ bool IsId(std::string_view s) {
            return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
          });
 }
+
+// The attachment's part of a claim value ("<store id>/<attachment>").
+std::string AttachmentOf(const std::string& claim) { return claim.substr(kIdHexDigits + 1); }
 
 bool IsClaimValue(std::string_view s) {
   return s.size() == kIdHexDigits + 1 + kAttachmentHexDigits && s[kIdHexDigits] == '/' &&
@@ -129,10 +135,93 @@ uint64_t Checksum(const char* data, size_t n) {
 
 // 'R' (recheck): the tick thread decided to fail a pair (its producers gone); the watcher fails
 // it when it pops this, after the messages queued before (a value a producer pushed just before
-// it exited completes the pair instead). Only a failure the session recorded is applied.
+// it exited completes the pair instead, and an attach or serialize message the tick did not know
+// of makes it decide again). Only a failure the session recorded is applied.
+// 'S' (serialized): a holder passed a handle on (a handle in flight until one is deserialized).
+// 'X' (exiting): the holder process is exiting (the library's exit, a multiprocessing child's
+// end): once it is gone it "exited", rather than died. Its threads may still set values meanwhile.
 enum MessageType : char {
-  kAttach = 'A', kDropped = 'D', kValue = 'V', kWake = 'W', kRecheck = 'R'
+  kAttach = 'A', kDropped = 'D', kValue = 'V', kWake = 'W', kRecheck = 'R', kSerialized = 'S',
+  kExiting = 'X'
 };
+
+// Who a producer process is, as its attach message tells: its pid, start time and pid namespace,
+// the boot id of its kernel (a consumer on the same kernel checks the process itself, as the file
+// kind does, rather than waiting for its heartbeat to stop) and its host's name (for messages).
+struct HolderInfo {
+  bool deserialized = false;  // the attach counts a deserialization (else a first use)
+  int32_t pid = 0;
+  uint64_t start_time = 0;
+  uint64_t pid_namespace = 0;
+  std::string boot_id;  // 32 hex digits, or "" when unknown
+  std::string host;     // at most kMaxHostBytes of [A-Za-z0-9._-]
+  // Its attachment (kAttachmentHexDigits): a drop message of an earlier attachment of the same
+  // process, sent later, must not mark a later one dropped.
+  std::string attachment;
+};
+constexpr size_t kMaxHostBytes = 64;
+
+bool IsHex(std::string_view s) {
+  return std::all_of(s.begin(), s.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+bool IsHostText(std::string_view s) {
+  return s.size() <= kMaxHostBytes && std::all_of(s.begin(), s.end(), [](char c) {
+           return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                  c == '.' || c == '-' || c == '_';
+         });
+}
+
+// This kernel's boot id, without dashes ("" when it cannot be read).
+const std::string& BootId() {
+  static const std::string id = [] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string text, hex;
+    std::getline(in, text);
+    for (char c : text) {
+      if (c != '-') hex += static_cast<char>(c >= 'A' && c <= 'F' ? c - 'A' + 'a' : c);
+    }
+    return hex.size() == 32 && IsHex(hex) ? hex : std::string();
+  }();
+  return id;
+}
+
+const std::string& HostName() {
+  static const std::string name = [] {
+    char buffer[256] = {};
+    if (gethostname(buffer, sizeof(buffer) - 1) != 0) return std::string();
+    std::string host(buffer, strnlen(buffer, kMaxHostBytes));
+    return IsHostText(host) ? host : std::string();
+  }();
+  return name;
+}
+
+uint64_t ThisPidNamespace() {
+  try {
+    return shm::Self().pid_namespace;
+  } catch (...) {
+    return 0;
+  }
+}
+
+// This process, for the attach messages of its attachment `attachment`.
+HolderInfo ThisHolder(bool deserialized, const std::string& attachment) {
+  HolderInfo info;
+  info.deserialized = deserialized;
+  info.attachment = attachment;
+  const shm::ProcessId self = shm::Self();
+  info.pid = self.pid;
+  info.start_time = self.start_time;
+  info.pid_namespace = self.pid_namespace;
+  info.boot_id = BootId();
+  // (Tests make a holder look as if it ran on another host: 32 hex digits.)
+  if (const char* fake = std::getenv("DTORCH_BOOT_ID_FOR_TESTING")) {
+    if (std::strlen(fake) == 32 && IsHex(fake)) info.boot_id = fake;
+  }
+  info.host = HostName();
+  return info;
+}
 
 // 'V': u8 status (0 value, 1 error) | u32 error code | u64 payload bytes | u32 chunks |
 // u64 checksum | u32 header bytes | header (the codec's, or the error's detail) | the payload
@@ -152,6 +241,8 @@ struct Message {
   std::string pair;
   std::string producer;
   ValueMessage value;  // kValue
+  HolderInfo holder;   // kAttach
+  std::string attachment;  // kDropped: the attachment that dropped it
 };
 
 std::string EncodeHead(MessageType type, const std::string& pair, const std::string& producer) {
@@ -164,6 +255,58 @@ std::string EncodeHead(MessageType type, const std::string& pair, const std::str
 template <typename V>
 void Put(std::string& out, V v) {
   out.append(reinterpret_cast<const char*>(&v), sizeof(v));
+}
+
+// 'A': u8 flags (1: a deserialization) | i32 pid | u64 start time | u64 pid namespace |
+// u8 boot id bytes (0 or 32) | boot id | u8 host bytes | host | the attachment (16 hex digits).
+// 'D': the head | the attachment.
+std::string EncodeAttach(const std::string& pair, const std::string& producer,
+                         const HolderInfo& h) {
+  std::string out = EncodeHead(kAttach, pair, producer);
+  Put<uint8_t>(out, h.deserialized ? 1 : 0);
+  Put<int32_t>(out, h.pid);
+  Put<uint64_t>(out, h.start_time);
+  Put<uint64_t>(out, h.pid_namespace);
+  Put<uint8_t>(out, static_cast<uint8_t>(h.boot_id.size()));
+  out += h.boot_id;
+  Put<uint8_t>(out, static_cast<uint8_t>(h.host.size()));
+  out += h.host;
+  out += h.attachment;
+  return out;
+}
+
+// A value message's error: u8 exception type bytes | type | u16 detail bytes | detail |
+// the traceback (the rest), in its header field.
+std::string EncodeErrorText(const ErrorInfo& error) {
+  std::string type = ValidExceptionType(error.origin.exception_type)
+                         ? error.origin.exception_type : std::string();
+  const std::string detail = error.detail.substr(0, kMaxErrorDetailBytes / 2);
+  const size_t room = kMaxErrorDetailBytes - 3 - type.size() - detail.size();
+  const std::string& traceback = error.origin.traceback;
+  std::string out;
+  Put<uint8_t>(out, static_cast<uint8_t>(type.size()));
+  out += type;
+  Put<uint16_t>(out, static_cast<uint16_t>(detail.size()));
+  out += detail;
+  out += traceback.size() <= room ? traceback : traceback.substr(traceback.size() - room);
+  return out;
+}
+
+// The error a value message carries (untrusted: nullopt when it is malformed).
+std::optional<ErrorInfo> DecodeErrorText(uint32_t code, std::string_view text) {
+  if (text.size() < 3) return std::nullopt;
+  const size_t type_bytes = static_cast<unsigned char>(text[0]);
+  if (text.size() < 3 + type_bytes) return std::nullopt;
+  ErrorInfo error{static_cast<FutureErrc>(code), ""};
+  error.origin.exception_type = std::string(text.substr(1, type_bytes));
+  if (!ValidExceptionType(error.origin.exception_type)) return std::nullopt;
+  uint16_t detail_bytes = 0;
+  std::memcpy(&detail_bytes, text.data() + 1 + type_bytes, 2);
+  const size_t start = 3 + type_bytes;
+  if (text.size() - start < detail_bytes) return std::nullopt;
+  error.detail = std::string(text.substr(start, detail_bytes));
+  error.origin.traceback = std::string(text.substr(start + detail_bytes));
+  return error;
 }
 
 std::string EncodeValue(const std::string& pair, const std::string& producer,
@@ -188,7 +331,8 @@ std::optional<Message> Decode(const std::string& bytes) {
   if (bytes.empty()) return std::nullopt;
   m.type = static_cast<MessageType>(bytes[0]);
   if (m.type == kWake) return bytes.size() == 1 ? std::optional<Message>(m) : std::nullopt;
-  if (m.type != kAttach && m.type != kDropped && m.type != kValue && m.type != kRecheck) {
+  if (m.type != kAttach && m.type != kDropped && m.type != kValue && m.type != kRecheck &&
+      m.type != kSerialized && m.type != kExiting) {
     return std::nullopt;
   }
   if (bytes.size() < 1 + 2 * kIdHexDigits) return std::nullopt;
@@ -196,13 +340,40 @@ std::optional<Message> Decode(const std::string& bytes) {
   m.producer = bytes.substr(1 + kIdHexDigits, kIdHexDigits);
   if (!IsId(m.pair) || !IsId(m.producer)) return std::nullopt;
   size_t pos = 1 + 2 * kIdHexDigits;
-  if (m.type != kValue) return pos == bytes.size() ? std::optional<Message>(m) : std::nullopt;
   const auto get = [&](void* out, size_t n) {
     if (bytes.size() - pos < n) return false;
     std::memcpy(out, bytes.data() + pos, n);
     pos += n;
     return true;
   };
+  if (m.type == kAttach) {
+    HolderInfo& h = m.holder;
+    uint8_t flags = 0, boot_bytes = 0, host_bytes = 0;
+    if (!get(&flags, 1) || flags > 1 || !get(&h.pid, 4) || !get(&h.start_time, 8) ||
+        !get(&h.pid_namespace, 8) || !get(&boot_bytes, 1) ||
+        (boot_bytes != 0 && boot_bytes != 32) || bytes.size() - pos < boot_bytes) {
+      return std::nullopt;
+    }
+    h.deserialized = flags == 1;
+    h.boot_id = bytes.substr(pos, boot_bytes);
+    pos += boot_bytes;
+    if (!get(&host_bytes, 1) || host_bytes > kMaxHostBytes ||
+        bytes.size() - pos != host_bytes + kAttachmentHexDigits) {
+      return std::nullopt;
+    }
+    h.host = bytes.substr(pos, host_bytes);
+    h.attachment = bytes.substr(pos + host_bytes);
+    if (h.pid <= 0 || !IsHex(h.boot_id) || !IsHostText(h.host) || !IsHex(h.attachment)) {
+      return std::nullopt;
+    }
+    return m;
+  }
+  if (m.type == kDropped) {
+    if (bytes.size() - pos != kAttachmentHexDigits) return std::nullopt;
+    m.attachment = bytes.substr(pos);
+    return IsHex(m.attachment) ? std::optional<Message>(m) : std::nullopt;
+  }
+  if (m.type != kValue) return pos == bytes.size() ? std::optional<Message>(m) : std::nullopt;
   uint8_t status = 0;
   uint32_t header_bytes = 0;
   ValueMessage& v = m.value;
@@ -255,6 +426,7 @@ struct Liveness {
   int64_t last_beat = -1;  // the heartbeat counter last read
   Clock::time_point changed_at = Clock::now();
   enum class State { kAlive, kExited, kDead } state = State::kAlive;
+  bool exiting = false;  // it said so ('X'): once gone, it exited
 };
 
 class Session : public std::enable_shared_from_this<Session> {
@@ -301,8 +473,10 @@ class Session : public std::enable_shared_from_this<Session> {
     std::lock_guard<std::mutex> lock(mu_);
     sent_[consumer].push_back({pair, chunks});
   }
-  // Fails `pair` once the watcher has handled the messages queued before now (kRecheck).
-  void FailAfterQueued(const std::string& pair, FutureErrc code, const std::string& detail);
+  // Fails `pair` once the watcher has handled the messages queued before now (kRecheck), unless
+  // one of them changed what the decision was made from (the consumer's epoch, at `epoch` now).
+  void FailAfterQueued(const std::string& pair, FutureErrc code, const std::string& detail,
+                       uint64_t epoch, std::set<std::string> gone);
   // Heartbeats, liveness and clean-up; on the tick thread. False once it has nothing to do.
   bool Tick();
   // The store went away: fails every pair in flight here.
@@ -331,7 +505,12 @@ class Session : public std::enable_shared_from_this<Session> {
   void FindClaimHolders(const std::vector<std::shared_ptr<ConsumerImpl>>& consumers);
   void CleanUpForConsumers();
   std::vector<std::shared_ptr<ConsumerImpl>> LiveConsumers();
+
+ public:
+  // The consumer of `pair` in this process, if it is still in flight.
   std::shared_ptr<ConsumerImpl> Find(const std::string& pair);
+
+ private:
   // Wakes the watcher from its pop, if it is in one and no wake is on its way (caller: mu_ held;
   // push the wake after releasing it when this returns true).
   bool WakeWatcherLocked();
@@ -355,7 +534,12 @@ class Session : public std::enable_shared_from_this<Session> {
   std::map<std::string, std::vector<SentPair>> sent_;  // guarded by mu_: by consumer
   std::vector<Cleanup> cleanups_;                      // guarded by mu_
   std::vector<std::function<void()>> next_tick_;       // guarded by mu_
-  std::map<std::string, ErrorInfo> failures_after_queued_;  // guarded by mu_: by pair
+  struct QueuedFailure {
+    ErrorInfo error;
+    uint64_t epoch;              // the consumer's epoch when it was decided
+    std::set<std::string> gone;  // the holders it found gone
+  };
+  std::map<std::string, QueuedFailure> failures_after_queued_;  // guarded by mu_: by pair
   size_t claims_read_ = 0;  // FindClaimHolders' rounds (the tick thread's only)
   // guarded by mu_: this process has awaited values here. Its heartbeat then goes on until it
   // exits: producers with messages for it must not take an idle consumer for a dead one.
@@ -376,7 +560,10 @@ class ConsumerImpl final : public NetworkConsumer,
   const NetworkHandle& handle() const override { return handle_; }
   const std::string& record() const { return record_; }
   bool InCreatorProcess() const override { return ForkGeneration() == generation_; }
-  void MarkLeftProcess() override { left_process_ = true; }
+  void MarkLeftProcess() override {
+    left_process_ = true;
+    CountSerialized();
+  }
   void CreatorDropped(bool claimed_here) override;
   bool RetrieveFuture() override { return !future_retrieved_.exchange(true); }
   SharedState<NetworkValue>& state() { return state_; }
@@ -414,38 +601,109 @@ class ConsumerImpl final : public NetworkConsumer,
   }
   void ValueArrived() { value_arrived_ = true; }
 
-  // On the session's threads.
-  void Attached(const std::string& producer) {
+  // A holder of this pair: a process that deserialized a handle or used one (its attach
+  // message), or claimed the pair (FindClaimHolders; nothing more known of it then).
+  struct Holder {
+    bool dropped = false;
+    std::string attachment;  // its latest attachment's id ("" when not known)
+    int32_t pid = 0;     // 0: not known
+    std::string host;    // its host's name when it is not this one
+    std::optional<shm::ProcessId> local;  // on this kernel: checked by pid, not by heartbeat
+  };
+
+  // On the session's threads. Each message that changes what the tick decides from (a holder,
+  // a handle serialized) bumps the epoch: a failure decided before it is not applied.
+  void Attached(const std::string& producer, const std::optional<HolderInfo>& info) {
     std::lock_guard<std::mutex> lock(mu_);
-    producers_[producer] = false;  // (a process that dropped a handle and attached again: live)
+    Holder& holder = producers_[producer];
+    holder.dropped = false;  // (a process that dropped a handle and attached again: live)
+    if (info) {
+      holder.attachment = info->attachment;
+      holder.pid = info->pid;
+      if (!info->boot_id.empty() && info->boot_id == BootId() &&
+          info->pid_namespace == ThisPidNamespace()) {
+        // (A process of another pid namespace cannot be checked from here: its heartbeat.)
+        holder.local = shm::ProcessId{info->pid, info->start_time, info->pid_namespace};
+      } else if (info->boot_id != BootId()) {
+        holder.host = info->host.empty() ? "another host" : info->host;
+      }
+      if (info->deserialized) ++deserialized_;
+    }
+    ++epoch_;
   }
-  void Dropped(const std::string& producer) {
+  // `attachment` of `producer` dropped the pair (an earlier one's late message changes nothing).
+  void Dropped(const std::string& producer, const std::string& attachment) {
     std::lock_guard<std::mutex> lock(mu_);
-    producers_[producer] = true;
+    Holder& holder = producers_[producer];
+    if (!holder.attachment.empty() && holder.attachment != attachment) return;
+    holder.dropped = true;
+    ++epoch_;
   }
-  // Why the pair should fail now (empty: it should not): every producer gone, or none attached
-  // by the deadline. `liveness` is the session's, read under its lock.
-  std::string WhyFail(const std::map<std::string, Liveness>& liveness, Clock::time_point now) const;
-  std::vector<std::string> LiveProducers() const {
+  // A handle was serialized: in the creator's process (MarkLeftProcess), or by a holder.
+  void CountSerialized() {
     std::lock_guard<std::mutex> lock(mu_);
-    std::vector<std::string> out;
-    for (const auto& [id, dropped] : producers_) {
-      if (!dropped) out.push_back(id);
+    ++serialized_;
+    ++epoch_;
+  }
+  // A handle was deserialized in this (the creator's) process.
+  void CountDeserialized() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++deserialized_;
+    ++epoch_;
+  }
+  uint64_t Epoch() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return epoch_;
+  }
+  // Something the tick's verdict depends on changed (a holder said it is exiting).
+  void Changed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++epoch_;
+  }
+  // Why the pair should fail now (empty: it should not): every holder gone (unless a handle is
+  // still in flight: then the attach deadline), or none attached by the deadline. `liveness` is
+  // the session's, read under its lock.
+  std::string WhyFail(const std::map<std::string, Liveness>& liveness, Clock::time_point now);
+  // The holders not known to have dropped the pair, and what is known of each.
+  std::vector<std::pair<std::string, Holder>> LiveProducers() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::pair<std::string, Holder>> out;
+    for (const auto& [id, holder] : producers_) {
+      if (!holder.dropped) out.emplace_back(id, holder);
     }
     return out;
   }
-  // Fails the pair: first takes the claim (so that a producer cannot claim it after), unless a
-  // producer holds it that is neither gone (per `liveness`) nor dropped it: its value is on the
-  // way. Without `liveness`, any holder's value is.
-  void Fail(FutureErrc code, const std::string& detail, bool take_claim,
-            const std::map<std::string, Liveness>* liveness);
+  // The creator's own handle set an exception object: kept for the error message its value
+  // message brings back to this process.
+  void KeepNative(std::shared_ptr<const NativeError> native) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    native_ = std::move(native);
+  }
+  std::shared_ptr<const NativeError> Native() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return native_;
+  }
+  // Fails the pair now (the store went away; a promise that never left the process dropped).
+  void Fail(FutureErrc code, const std::string& detail) {
+    if (!Settled()) state_.TryComplete(Result<NetworkValue>::Error(code, detail));
+  }
+  // The watcher applies the tick's verdict (every holder gone): first takes the claim on
+  // `connection` (so that a producer cannot claim it after), unless a producer holds it that is
+  // not one of the holders the verdict found gone (`gone`): its value is on the way.
+  void FailAsDecided(KeyValueStore& connection, const ErrorInfo& error,
+                     const std::set<std::string>& gone);
+  // The holders known now (the tick's verdict names them gone).
+  std::set<std::string> HolderIds() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::set<std::string> ids;
+    for (const auto& [id, holder] : producers_) ids.insert(id);
+    return ids;
+  }
 
  private:
   bool LeftProcess() const {
     return left_process_ || forks_in_parent.load() != forks_at_creation_;
   }
-  bool HolderGone(const std::string& process,
-                  const std::map<std::string, Liveness>& liveness) const;
 
   const std::shared_ptr<Session> session_;
   const NetworkHandle handle_;
@@ -457,8 +715,14 @@ class ConsumerImpl final : public NetworkConsumer,
   std::atomic<bool> future_retrieved_{false};
   std::atomic<bool> value_arrived_{false};  // its value message was read (its chunks deleted)
   mutable std::mutex mu_;
-  std::map<std::string, bool> producers_;  // guarded by mu_: attached, and whether dropped
+  std::map<std::string, Holder> producers_;  // guarded by mu_: by store id
   std::optional<Clock::time_point> creator_dropped_at_;  // guarded by mu_
+  // guarded by mu_: handles serialized and deserialized (wrapping counts; see WhyFail)
+  uint32_t serialized_ = 0;
+  uint32_t deserialized_ = 0;
+  uint64_t epoch_ = 0;                                 // guarded by mu_
+  std::optional<Clock::time_point> all_gone_since_;    // guarded by mu_: the tick's
+  std::shared_ptr<const NativeError> native_;          // guarded by mu_
 };
 
 // ---- the registry and the tick thread ----
@@ -714,7 +978,7 @@ void Session::Handle(KeyValueStore& connection, const Message& m) {
   if (m.type == kWake) return;
   const std::shared_ptr<ConsumerImpl> consumer = Find(m.pair);
   if (m.type == kRecheck) {
-    std::optional<ErrorInfo> failure;
+    std::optional<QueuedFailure> failure;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = failures_after_queued_.find(m.pair);
@@ -722,10 +986,25 @@ void Session::Handle(KeyValueStore& connection, const Message& m) {
       failure = std::move(it->second);
       failures_after_queued_.erase(it);
     }
-    if (consumer) consumer->state().TryComplete(Result<NetworkValue>::Error(*failure));
+    // (A holder or a handle in flight the tick did not know of: it decides again.)
+    if (consumer && consumer->Epoch() == failure->epoch) {
+      consumer->FailAsDecided(connection, failure->error, failure->gone);
+    }
     return;
   }
-  if (m.type == kAttach || m.type == kDropped) {
+  if (m.type == kExiting) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Liveness& l = producers_liveness_[m.producer];
+      l.exiting = true;
+      // (Found gone by the tick before this message was read: it exited, and a verdict that
+      // said "died" is decided again.)
+      if (l.state == Liveness::State::kDead) l.state = Liveness::State::kExited;
+    }
+    if (consumer) consumer->Changed();
+    return;
+  }
+  if (m.type == kAttach || m.type == kDropped || m.type == kSerialized) {
     if (!consumer) return;
     if (m.type == kAttach) {
       {
@@ -734,9 +1013,11 @@ void Session::Handle(KeyValueStore& connection, const Message& m) {
         Liveness& l = producers_liveness_[m.producer];
         if (l.state != Liveness::State::kAlive) l = Liveness{};
       }
-      consumer->Attached(m.producer);
+      consumer->Attached(m.producer, m.holder);
+    } else if (m.type == kDropped) {
+      consumer->Dropped(m.producer, m.attachment);
     } else {
-      consumer->Dropped(m.producer);
+      consumer->CountSerialized();
     }
     return;
   }
@@ -753,8 +1034,14 @@ void Session::Receive(KeyValueStore& connection, const Message& m,
   const ValueMessage& v = m.value;
   consumer->ValueArrived();
   if (v.error) {
-    consumer->state().TryComplete(Result<NetworkValue>::Error(
-        static_cast<FutureErrc>(v.code), v.header));
+    std::optional<ErrorInfo> error = DecodeErrorText(v.code, v.header);
+    if (!error) {
+      error = ErrorInfo{FutureErrc::kInvalidHandle, "the error read from the store at " +
+                                                        address_.ToString() + " is corrupt"};
+    } else if (m.producer == id_) {
+      error->origin.native = consumer->Native();  // (set by the creator's own handle)
+    }
+    consumer->state().TryComplete(Result<NetworkValue>::Error(std::move(*error)));
     return;
   }
   auto payload = std::make_shared<std::string>();
@@ -808,10 +1095,8 @@ void Session::Break(const std::string& why) {
   if (broken_.exchange(true)) return;
   Unregister(this);
   for (auto& c : LiveConsumers()) {
-    c->Fail(FutureErrc::kBrokenPromise,
-            "the store at " + address_.ToString() + " went away while the value was awaited (" +
-                why + ")",
-            /*take_claim=*/false, nullptr);
+    c->Fail(FutureErrc::kBrokenPromise, "the store at " + address_.ToString() +
+                                            " went away while the value was awaited (" + why + ")");
   }
 }
 
@@ -830,10 +1115,11 @@ void Session::DeleteCleanups(std::vector<Cleanup>& cleanups) {
 }
 
 void Session::FailAfterQueued(const std::string& pair, FutureErrc code,
-                              const std::string& detail) {
+                              const std::string& detail, uint64_t epoch,
+                              std::set<std::string> gone) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    failures_after_queued_[pair] = ErrorInfo{code, detail};
+    failures_after_queued_[pair] = QueuedFailure{ErrorInfo{code, detail}, epoch, std::move(gone)};
   }
   try {
     store_->QueuePush(QueueKey(id_), EncodeHead(kRecheck, pair, id_));
@@ -859,7 +1145,7 @@ void Session::FindClaimHolders(const std::vector<std::shared_ptr<ConsumerImpl>>&
     ConsumerImpl& c = *unknown[(first + k) % unknown.size()];
     const std::string holder = store_->CompareSet(ClaimKey(c.handle().pair), c.record(), c.record());
     if (IsClaimValue(holder) && holder.compare(0, kIdHexDigits, id_) != 0) {
-      c.Attached(holder.substr(0, kIdHexDigits));  // watched from the next round
+      c.Attached(holder.substr(0, kIdHexDigits), std::nullopt);  // watched from the next round
     }
   }
 }
@@ -904,11 +1190,14 @@ bool Session::Tick() {
 void Session::CheckProducers(Clock::time_point now) {
   // The producers the pairs in flight wait for.
   std::vector<std::shared_ptr<ConsumerImpl>> consumers = LiveConsumers();
-  std::set<std::string> watched;
+  // By store id: the process itself where it runs on this kernel (checked by pid: at once).
+  std::map<std::string, std::optional<shm::ProcessId>> watched;
   for (auto& c : consumers) {
     if (c->Settled()) continue;
-    for (auto& id : c->LiveProducers()) {
-      if (id != id_) watched.insert(id);  // (this process: alive)
+    for (auto& [id, holder] : c->LiveProducers()) {
+      if (id == id_) continue;  // (this process: alive)
+      auto& local = watched[id];
+      if (holder.local) local = holder.local;
     }
   }
   // Their heartbeats. (add(key, 0) reads a counter; it makes a missing key 0: a producer that
@@ -917,11 +1206,24 @@ void Session::CheckProducers(Clock::time_point now) {
   // producer exited before it was first read; the timeout decides.)
   const int64_t timeout_ms = heartbeat_timeout_ms.load();
   std::vector<std::string> gone;
-  for (const auto& id : watched) {
+  for (const auto& [id, local] : watched) {
     const int64_t beat = store_->Add(HeartbeatKey(id), 0);
+    // A process on this kernel is checked itself: alive while it runs (its threads may still set
+    // values after its exit began), gone at once when it is.
+    const std::optional<bool> local_alive =
+        local ? std::optional<bool>(shm::IsAlive(*local)) : std::nullopt;
     std::lock_guard<std::mutex> lock(mu_);
     Liveness& l = producers_liveness_[id];
+    const auto gone_as = [&] {
+      return l.exiting ? Liveness::State::kExited : Liveness::State::kDead;
+    };
     if (l.state != Liveness::State::kAlive) {
+      gone.push_back(id);
+    } else if (local_alive) {
+      if (*local_alive) continue;
+      // (Its exit said so first: the library's exit handler, a multiprocessing child's end. Its
+      // heartbeat cannot tell: another consumer that saw it gone may have deleted it.)
+      l.state = gone_as();
       gone.push_back(id);
     } else if (beat == 0 && l.last_beat > 0) {
       l.state = Liveness::State::kExited;  // (its heartbeat was seen, then deleted)
@@ -930,7 +1232,7 @@ void Session::CheckProducers(Clock::time_point now) {
       l.last_beat = beat;
       l.changed_at = now;
     } else if (now - l.changed_at > milliseconds(timeout_ms)) {
-      l.state = Liveness::State::kDead;
+      l.state = gone_as();
       gone.push_back(id);
     }
   }
@@ -946,8 +1248,11 @@ void Session::CheckProducers(Clock::time_point now) {
   }
   for (auto& c : consumers) {
     if (c->Settled()) continue;
+    const uint64_t epoch = c->Epoch();  // (before deciding: a message after it re-decides)
     const std::string why = c->WhyFail(snapshot, now);
-    if (!why.empty()) c->Fail(FutureErrc::kBrokenPromise, why, /*take_claim=*/true, &snapshot);
+    if (!why.empty()) {
+      FailAfterQueued(c->handle().pair, FutureErrc::kBrokenPromise, why, epoch, c->HolderIds());
+    }
   }
 }
 
@@ -1040,70 +1345,76 @@ void ConsumerImpl::CreatorDropped(bool claimed_here) {
   // producers, or the attach deadline: the tick.)
   if (!LeftProcess() && !claimed_here) {
     Fail(FutureErrc::kBrokenPromise,
-         "the promise was destroyed before a value or an exception was set", /*take_claim=*/false,
-         nullptr);
+         "the promise was destroyed before a value or an exception was set");
   }
 }
 
 std::string ConsumerImpl::WhyFail(const std::map<std::string, Liveness>& liveness,
-                                  Clock::time_point now) const {
+                                  Clock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
+  const int64_t attach_ms = AttachTimeoutMs();
   if (producers_.empty()) {
     if (creator_dropped_at_ && LeftProcess() &&
-        now - *creator_dropped_at_ > milliseconds(AttachTimeoutMs())) {
-      return "no producer attached within " + std::to_string(AttachTimeoutMs() / 1000.0) +
-             " s of the promise being dropped here (config.attach_timeout_s)";
+        now - *creator_dropped_at_ > milliseconds(attach_ms)) {
+      return "no producer attached within " + std::to_string(attach_ms) +
+             " ms of the promise being dropped here (config.attach_timeout_s)";
     }
     return {};
   }
-  std::string why;
-  for (const auto& [id, dropped] : producers_) {
-    if (dropped) {
-      why = "its producer (store id " + id.substr(0, 8) + ") dropped it without setting a value";
+  // What names a holder in a message: its pid (and host, when it is another), else its store id.
+  const auto who = [](const std::string& id, const Holder& holder) {
+    if (holder.pid == 0) return "store id " + id.substr(0, 8);
+    return "pid " + std::to_string(holder.pid) + (holder.host.empty() ? "" : " on " + holder.host);
+  };
+  std::string died, exited, dropped;
+  for (const auto& [id, holder] : producers_) {
+    if (holder.dropped) {
+      if (dropped.empty()) dropped = who(id, holder);
       continue;
     }
-    if (id == session_->id()) return {};  // this process: its own handle decides
-    auto it = liveness.find(id);
-    if (it == liveness.end() || it->second.state == Liveness::State::kAlive) return {};
-    why = it->second.state == Liveness::State::kExited
-              ? "producer exited (store id " + id.substr(0, 8) + ") without setting a value"
-              : "producer died (store id " + id.substr(0, 8) + "): its heartbeat stopped for " +
-                    std::to_string(heartbeat_timeout_ms.load() / 1000.0) + " s";
+    const auto it = liveness.find(id);
+    if (id == session_->id() || it == liveness.end() ||
+        it->second.state == Liveness::State::kAlive) {
+      all_gone_since_.reset();  // (this process's own handle decides for it)
+      return {};
+    }
+    if (it->second.state == Liveness::State::kExited) {
+      if (exited.empty()) exited = who(id, holder);
+    } else if (died.empty()) {
+      died = who(id, holder) + (holder.local ? "" : ": its heartbeat stopped for " +
+                                                     std::to_string(heartbeat_timeout_ms.load()) +
+                                                     " ms");
+    }
   }
-  return why;
+  if (!all_gone_since_) all_gone_since_ = now;
+  if (static_cast<int32_t>(serialized_ - deserialized_) > 0) {
+    // A holder passed the promise on before it went, and that handle has not arrived: the attach
+    // deadline is the backstop for one that never will.
+    if (now - *all_gone_since_ < milliseconds(attach_ms)) return {};
+    return "no producer attached within " + std::to_string(attach_ms) +
+           " ms after the last process holding the promise was gone, and " +
+           std::to_string(serialized_ - deserialized_) +
+           " serialized handle(s) of it were never deserialized (config.attach_timeout_s)";
+  }
+  if (!died.empty()) return "producer died (" + died + ") without setting a value";
+  if (!exited.empty()) return "producer exited (" + exited + ") without setting a value";
+  return "producer dropped the promise (" + dropped + ") without setting a value";
 }
 
-bool ConsumerImpl::HolderGone(const std::string& process,
-                              const std::map<std::string, Liveness>& liveness) const {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = producers_.find(process);
-    if (it != producers_.end() && it->second) return true;  // dropped it: no value comes
-  }
-  auto it = liveness.find(process);
-  return it != liveness.end() && it->second.state != Liveness::State::kAlive;
-}
-
-void ConsumerImpl::Fail(FutureErrc code, const std::string& detail, bool take_claim,
-                        const std::map<std::string, Liveness>* liveness) {
+void ConsumerImpl::FailAsDecided(KeyValueStore& connection, const ErrorInfo& error,
+                                 const std::set<std::string>& gone) {
   if (Settled()) return;
-  if (take_claim && LeftProcess()) {
+  if (LeftProcess()) {
     try {
       const std::string holder =
-          session_->store().CompareSet(ClaimKey(handle_.pair), record_, kFailedClaim);
-      if (IsClaimValue(holder)) {
-        // A producer claimed it: its value is on the way, unless that producer is gone.
-        if (liveness == nullptr || !HolderGone(holder.substr(0, kIdHexDigits), *liveness)) return;
-      }
+          connection.CompareSet(ClaimKey(handle_.pair), record_, kFailedClaim);
+      // A producer claimed it: its value is on the way, unless that producer is one found gone.
+      if (IsClaimValue(holder) && gone.count(holder.substr(0, kIdHexDigits)) == 0) return;
     } catch (const std::exception&) {
       // (The store cannot be reached: the pair fails all the same.)
     }
   }
-  if (liveness != nullptr) {
-    session_->FailAfterQueued(handle_.pair, code, detail);  // (the tick's verdict)
-    return;
-  }
-  state_.TryComplete(Result<NetworkValue>::Error(code, detail));
+  state_.TryComplete(Result<NetworkValue>::Error(error));
 }
 
 // ---- the producer's attachment ----
@@ -1127,12 +1438,25 @@ class ProducerImpl final : public NetworkProducer,
         claim_(session_->id() + "/" + NewId().substr(0, kAttachmentHexDigits)) {}
   ~ProducerImpl() override;
 
-  // Counts this producer for the heartbeats and has the tick thread announce it (Announce).
-  void Open();
-  // On the tick thread: unless this producer's value went meanwhile, checks the handle against the
-  // pair's record and, if the pair waits for a producer, tells the consumer (its liveness is then
-  // watched). Never throws.
-  void Announce() noexcept;
+  // Counts this producer for the heartbeats and announces it: now (a holder, so that a process
+  // that dies at once is noticed), or on the tick thread at its next round (a first use: not on
+  // the path of a value set at once).
+  void Open(AttachAs as);
+  // Unless this producer's value went meanwhile, checks the handle against the pair's record
+  // and, if the pair waits for a producer, tells the consumer (its liveness is then watched).
+  // `deserialized`: the message counts a deserialization (another one of this process too).
+  // Never throws.
+  void Announce(bool deserialized) noexcept;
+  // A handle of the pair was serialized here: the consumer counts it in flight (now, before the
+  // string leaves this process). Never throws.
+  void Serialized() noexcept override;
+  // This process exits: a consumer that knows of this producer is told (kExiting). Never throws.
+  void Exiting() noexcept;
+  // The attach message of this attachment (throws what ThisHolder does).
+  std::string AttachMessage(bool deserialized) const {
+    return EncodeAttach(handle_.pair, session_->id(),
+                        ThisHolder(deserialized, AttachmentOf(claim_)));
+  }
   // Whether the pair is in flight and waits for the producer of `handle` (its record matches the
   // pair's, and no other producer than `claim`'s claimed it). Throws StoreError.
   static bool Awaited(Session& session, const NetworkHandle& handle, const std::string& record,
@@ -1173,11 +1497,15 @@ FutureError Altered(const NetworkHandle& handle) {
                      "returned, unchanged");
 }
 
-void ProducerImpl::Open() {
+void ProducerImpl::Open(AttachAs as) {
   session_->ProducerAttached();
   EnsureTicking();
+  if (as != AttachAs::kFirstUse) {
+    Announce(as == AttachAs::kDeserialized);
+    return;
+  }
   session_->AtNextTick([weak = std::weak_ptr<ProducerImpl>(shared_from_this())] {
-    if (auto producer = weak.lock()) producer->Announce();
+    if (auto producer = weak.lock()) producer->Announce(false);
   });
 }
 
@@ -1193,20 +1521,77 @@ bool ProducerImpl::Awaited(Session& session, const NetworkHandle& handle,
   return holder == record || holder == claim;
 }
 
-void ProducerImpl::Announce() noexcept {
+void ProducerImpl::Announce(bool deserialized) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
-  if (standing_ != Standing::kPending) return;
-  standing_ = Standing::kSilent;
-  if (published_ || withdrawn_) return;  // (the value's message said it all)
   try {
-    if (!Awaited(*session_, handle_, record_, claim_)) return;
-    session_->Beat(/*force=*/false);  // (before the consumer watches it)
-    session_->store().QueuePush(QueueKey(handle_.consumer),
-                                EncodeHead(kAttach, handle_.pair, session_->id()));
+    if (standing_ == Standing::kAnnounced) {
+      // (Known to the consumer already: another deserialization of this process is counted.)
+      if (deserialized && !published_) {
+        session_->store().QueuePush(QueueKey(handle_.consumer), AttachMessage(true));
+        session_->Sent(handle_.consumer, handle_.pair, 0);
+      }
+      return;
+    }
+    if (standing_ != Standing::kPending) return;
+    standing_ = Standing::kSilent;
+    if (published_ || withdrawn_) return;  // (the value's message said it all)
+    // The creator's own process: its handle holds the pair; a copy there is no holder.
+    if (session_->id() == handle_.consumer) return;
+    standing_ = Standing::kPending;  // (until the consumer was told, or it is known not to wait)
+    if (!Awaited(*session_, handle_, record_, claim_)) {
+      standing_ = Standing::kSilent;
+      return;
+    }
+    // Its heartbeat exists before the consumer watches it.
+    session_->Beat(/*force=*/false);
+    session_->store().QueuePush(QueueKey(handle_.consumer), AttachMessage(deserialized));
+    session_->Sent(handle_.consumer, handle_.pair, 0);
     standing_ = Standing::kAnnounced;
   } catch (...) {
     // (The store cannot be reached: the consumer learns of that through its own connection, and
-    // this producer's set raises.)
+    // this producer's set raises. Still pending: a later announcement may get through.)
+  }
+}
+
+void ProducerImpl::Exiting() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (standing_ != Standing::kAnnounced || published_ || ForkGeneration() != generation_ ||
+      session_->broken()) {
+    return;
+  }
+  try {
+    session_->store().QueuePush(QueueKey(handle_.consumer),
+                                EncodeHead(kExiting, handle_.pair, session_->id()));
+    session_->Sent(handle_.consumer, handle_.pair, 0);
+  } catch (...) {
+  }
+}
+
+void ProducerImpl::Serialized() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (standing_ == Standing::kPending) {
+    // (Not announced yet: first, so that the consumer knows this process held it.)
+    try {
+      if (published_ || withdrawn_ || session_->id() == handle_.consumer ||
+          !Awaited(*session_, handle_, record_, claim_)) {
+        standing_ = Standing::kSilent;
+        return;
+      }
+      session_->Beat(/*force=*/false);
+      session_->store().QueuePush(QueueKey(handle_.consumer), AttachMessage(false));
+      session_->Sent(handle_.consumer, handle_.pair, 0);
+      standing_ = Standing::kAnnounced;
+    } catch (...) {
+      return;  // (still pending: the store cannot be reached now)
+    }
+  }
+  if (standing_ != Standing::kAnnounced || published_) return;  // (nobody waits for a count)
+  try {
+    session_->store().QueuePush(QueueKey(handle_.consumer),
+                                EncodeHead(kSerialized, handle_.pair, session_->id()));
+    session_->Sent(handle_.consumer, handle_.pair, 0);
+  } catch (...) {
+    // (The store cannot be reached: the pair fails through the consumer's own connection.)
   }
 }
 
@@ -1221,8 +1606,9 @@ ProducerImpl::~ProducerImpl() {
                             claim = claim_, announced = standing_ == Standing::kAnnounced] {
         try {
           if (announced || Awaited(*session, handle, record, claim)) {
-            session->store().QueuePush(QueueKey(handle.consumer),
-                                       EncodeHead(kDropped, handle.pair, session->id()));
+            session->store().QueuePush(
+                QueueKey(handle.consumer),
+                EncodeHead(kDropped, handle.pair, session->id()) + AttachmentOf(claim));
             session->Sent(handle.consumer, handle.pair, 0);
           }
         } catch (...) {
@@ -1294,7 +1680,7 @@ void ProducerImpl::PublishError(const ErrorInfo& error) noexcept {
     ValueMessage v;
     v.error = true;
     v.code = static_cast<uint32_t>(error.code);
-    v.header = error.detail.substr(0, kMaxErrorDetailBytes);
+    v.header = EncodeErrorText(error);
     session_->store().QueuePush(QueueKey(handle_.consumer),
                                 EncodeValue(handle_.pair, session_->id(), v, {}));
     published_ = true;
@@ -1447,7 +1833,8 @@ std::shared_ptr<NetworkConsumer> NetworkConsumer::Create(std::string_view type_n
   return consumer;
 }
 
-std::shared_ptr<NetworkProducer> NetworkProducer::Attach(const NetworkHandle& handle) {
+std::shared_ptr<NetworkProducer> NetworkProducer::Attach(const NetworkHandle& handle,
+                                                         AttachAs as) {
   const std::string key = handle.store.ToString() + "/" + handle.pair;
   // An attachment found is released (and maybe destroyed, which takes attachments_mu) only after
   // the lock is: a shared_ptr outside it.
@@ -1463,10 +1850,11 @@ std::shared_ptr<NetworkProducer> NetworkProducer::Attach(const NetworkHandle& ha
   if (found) {
     // (Another handle of the same pair that is not this one's: altered.)
     if (found->record() != handle.Serialize()) throw Altered(handle);
+    if (as != AttachAs::kFirstUse) found->Announce(as == AttachAs::kDeserialized);
     return found;
   }
   auto producer = std::make_shared<ProducerImpl>(SessionFor(handle.store), handle);
-  producer->Open();
+  producer->Open(as);
   {
     std::lock_guard<std::mutex> lock(attachments_mu);
     auto& slot = Attachments()[key];
@@ -1480,6 +1868,46 @@ std::shared_ptr<NetworkProducer> NetworkProducer::Attach(const NetworkHandle& ha
   producer->Withdraw();
   if (found->record() != producer->record()) throw Altered(handle);
   return found;
+}
+
+void MarkNetworkProducersExiting() noexcept {
+  std::vector<std::shared_ptr<ProducerImpl>> attachments;
+  try {
+    std::lock_guard<std::mutex> lock(attachments_mu);
+    for (auto& [key, weak] : Attachments()) {
+      if (auto attachment = weak.lock()) attachments.push_back(std::move(attachment));
+    }
+  } catch (...) {
+    return;
+  }
+  for (auto& attachment : attachments) attachment->Exiting();
+}
+
+namespace {
+// The consumer of `handle`'s pair when this is its process and the handle is genuine (names it
+// as its record does), else null.
+std::shared_ptr<ConsumerImpl> ConsumerHere(Session& session, const NetworkHandle& handle) {
+  if (session.id() != handle.consumer) return nullptr;
+  auto consumer = session.Find(handle.pair);
+  return consumer && consumer->record() == handle.Serialize() ? consumer : nullptr;
+}
+}  // namespace
+
+std::shared_ptr<NetworkProducer> RegisterNetworkHolder(const NetworkHandle& handle) {
+  const std::shared_ptr<Session> session = SessionFor(handle.store);
+  if (session->id() == handle.consumer) {
+    // The pair's own process: its creator's handle holds it; the deserialization is counted.
+    if (const auto consumer = ConsumerHere(*session, handle)) consumer->CountDeserialized();
+    return nullptr;
+  }
+  return NetworkProducer::Attach(handle, AttachAs::kDeserialized);
+}
+
+bool CountSerializedInCreatorProcess(const NetworkHandle& handle) {
+  const std::shared_ptr<Session> session = SessionFor(handle.store);
+  if (session->id() != handle.consumer) return false;
+  if (const auto consumer = ConsumerHere(*session, handle)) consumer->CountSerialized();
+  return true;
 }
 
 void StopNetworkKind(std::chrono::steady_clock::time_point deadline) noexcept {
@@ -1503,6 +1931,8 @@ void StopNetworkKind(std::chrono::steady_clock::time_point deadline) noexcept {
   auto done = std::make_shared<Done>();
   try {
     std::thread([sessions, done] {
+      // (First: a consumer on this kernel then says "exited", whoever deleted the heartbeat.)
+      MarkNetworkProducersExiting();
       for (auto& s : sessions) s->Stop();
       std::lock_guard<std::mutex> lock(done->mu);
       done->done = true;

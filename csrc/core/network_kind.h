@@ -18,10 +18,15 @@
 // Roles. The consumer (the process that created the pair) has one watcher thread per store
 // ("dtorch-net-watch") that blocks in a queue pop on its own connection (a blocking pop holds its
 // connection, so it is never the one the producers' calls use) and completes the pairs it is
-// told about; no thread per future. A producer attaches on first use, without a round trip: the
-// tick thread tells the consumer (an attach message) at its next round, after checking the
-// handle against the pair's record, unless the value went first (its message says all the
-// attach message would: a value set at once costs two round trips, the claim and the value). It
+// told about; no thread per future. A process that deserializes a handle is a holder at once: it
+// connects, checks the handle against the pair's record and tells the consumer (an attach
+// message naming its pid, start time, pid namespace, kernel boot id and host) before the
+// deserialization returns. A handle a process inherited (fork) attaches on first use, without a
+// round trip: the tick thread tells the consumer at its next round, unless the value went first
+// (its message says all the attach message would: a value set at once costs two round trips,
+// the claim and the value); or at once when the binding says the process received it (a
+// multiprocessing child's arguments). Serializing a handle in a holder sends a message first (a
+// handle in flight); in the creator it is counted there. It
 // claims with one compare_set from the pair's record to its own claim value, which also checks
 // the handle: a handle that names the pair with another consumer, value type, options or
 // address was altered (kInvalidHandle); one whose pair is not in flight (its consumer dropped
@@ -33,20 +38,26 @@
 // message it cannot read fails its pair, never the process.
 //
 // Liveness. One process-wide thread ("dtorch-net-tick") bumps this process's heartbeats every
-// kTickMs and checks the others, while any pair is in flight, and from a process's first network
-// future on until it exits (producers with messages for an idle consumer must not take it for a
-// dead one): a producer whose heartbeat stopped changing for the heartbeat timeout
-// (SetNetworkHeartbeatTimeoutMs) is dead, one whose heartbeat key, once seen, is gone exited. (A
-// process bumps it at once when it starts a pair or announces itself, before anyone can look for
-// it.) A pair that knows of no producer has its claim read each round: a producer that claimed
-// it and died before it was announced is watched too. The tick's verdict goes through the
-// watcher's queue (a recheck message): a value a producer pushed just before it exited completes
-// the pair first. The future fails with "broken promise" once every producer
-// that attached has died, exited or dropped its handle without setting; with "no producer
-// attached" after the attach deadline (file_kind.h's AttachTimeoutMs) when the promise left the
-// process (serialized, or the process forked) and its creator dropped it; at once if it never
-// left the process and the creator dropped it. The store going away (the watcher's connection
-// lost) fails every pair in flight on it.
+// kTickMs and checks the others, while any pair is in flight (a holder's too), and from a
+// process's first network future on until it exits (producers with messages for an idle consumer
+// must not take it for a dead one). A holder on the consumer's kernel (the same boot id) is
+// checked itself, by pid and start time, as the file kind does: alive while it runs, gone the
+// round after it is (exited if its exit deleted its heartbeat or it said it was exiting, else
+// died). Another host's holder whose heartbeat stopped changing for the heartbeat timeout
+// (SetNetworkHeartbeatTimeoutMs) is gone (exited if it said so, else died), and one whose
+// heartbeat key, once seen, is gone exited. (A process bumps it at once when it starts a pair or
+// announces itself, before anyone can look for it.) A pair that knows of no producer has its
+// claim read each round: a producer that claimed it and died before it was announced is watched
+// too. The tick's verdict goes through the watcher's queue (a recheck message): a value a
+// producer pushed just before it exited completes the pair first, and a message that changed
+// what the verdict was made from (a holder attached, a handle serialized) makes the tick decide
+// again. The future fails with "broken promise" once every holder has died, exited or dropped
+// its handle without setting, unless more handles were serialized than deserialized (one is in
+// flight: then after the attach deadline, file_kind.h's AttachTimeoutMs, from the moment the
+// last holder was gone); with "no producer attached" after the attach deadline when the promise
+// left the process (serialized, or the process forked), no holder ever registered and its
+// creator dropped it; at once if it never left the process and the creator dropped it. The
+// store going away (the watcher's connection lost) fails every pair in flight on it.
 //
 // Nothing left behind. The consumer deletes a value's chunks once it has read them, and the claim
 // once the pair is gone (its future and promise dropped; a second producer is refused until
@@ -164,15 +175,24 @@ class NetworkConsumer : public ReceivedSource {
   virtual ~NetworkConsumer() = default;
   virtual const NetworkHandle& handle() const = 0;
   virtual bool InCreatorProcess() const = 0;
+  // A handle was serialized here (counted: a handle in flight).
   virtual void MarkLeftProcess() = 0;
   // The creator's promise handle is gone; `claimed_here`: that handle claimed the pair (its
   // value or error is on its way through the store).
   virtual void CreatorDropped(bool claimed_here) = 0;
   virtual bool RetrieveFuture() = 0;
+  // The creator's own handle fails the pair with an exception object: the future of this process
+  // raises that object when the error comes back through the store.
+  virtual void KeepNative(std::shared_ptr<const NativeError> native) = 0;
 };
 
 // kClosed: the pair is not in flight (its consumer dropped it): a set is a no-op.
 enum class NetworkClaim { kClaimed, kClaimedByAnother, kFailedByConsumer, kClosed };
+
+// Why a process attaches: its first use of a handle it inherited (announced at the tick thread's
+// next round, unless the value goes first), it holds one it received without deserializing (a
+// forked child's arguments), or it deserialized one (both announced before Attach returns).
+enum class AttachAs { kFirstUse, kHolder, kDeserialized };
 
 // This process's attachment to a pair as a producer (one per process and pair, shared by its
 // handles; made on first use). Dropping the last one without publishing tells the consumer.
@@ -181,18 +201,32 @@ class NetworkProducer {
   // Attaches (a message to the consumer, if the pair waits for a producer). Throws
   // FutureError: kInvalidHandle when the handle does not match the pair it names (altered),
   // kBrokenPromise when the store cannot be reached.
-  static std::shared_ptr<NetworkProducer> Attach(const NetworkHandle& handle);
+  static std::shared_ptr<NetworkProducer> Attach(const NetworkHandle& handle,
+                                                 AttachAs as = AttachAs::kFirstUse);
   virtual ~NetworkProducer() = default;
   // kClaimed for one handle of the attachment only (the others sharing it came second).
   virtual NetworkClaim TryClaim() = 0;
   // After kClaimed. Throws FutureError(kBrokenPromise) when the store cannot be reached.
   virtual void PublishValue(const std::string& header, std::string payload) = 0;
   virtual void PublishError(const ErrorInfo& error) noexcept = 0;
+  // A handle was serialized in this process: the consumer counts it in flight (a message, sent
+  // before this returns). Never throws.
+  virtual void Serialized() noexcept = 0;
 };
+
+// A handle was deserialized in this process: registers it as a holder (Attach, kDeserialized);
+// in the pair's creator process only counts the deserialization (null then). Throws as Attach.
+std::shared_ptr<NetworkProducer> RegisterNetworkHolder(const NetworkHandle& handle);
+// A copy of a handle was serialized in this process: true (counted there) when this is the
+// pair's creator process, whose copies are no holders. Throws as Attach.
+bool CountSerializedInCreatorProcess(const NetworkHandle& handle);
 
 // The library's exit: fails this process's pairs in flight ("dropped at interpreter exit"),
 // deletes its heartbeats, stops the threads (by `deadline`).
 void StopNetworkKind(std::chrono::steady_clock::time_point deadline) noexcept;
+// This process is about to exit without the library's exit handler (a multiprocessing child):
+// the consumers of the pairs it holds are told, so that once it is gone they say "exited".
+void MarkNetworkProducersExiting() noexcept;
 void AfterForkNetworkKindInChild() noexcept;
 // Threads of the kind now (watchers and the tick thread), for CountLibraryThreads.
 size_t NetworkKindThreads();
@@ -216,9 +250,18 @@ class NetworkPromise final : public PromiseBackend<T> {
       : codec_(std::move(codec)),
         consumer_(NetworkConsumer::Create(codec_->TypeName(), store, value_options)),
         handle_(consumer_->handle()) {}
-  // A promise another process serialized: attaches on first use.
+  // A promise another process serialized: this process holds it from now on
+  // (RegisterNetworkHolder: it connects to the store now; if it cannot, the first use says why).
   NetworkPromise(NetworkHandle handle, std::shared_ptr<const ValueCodec<T>> codec)
-      : codec_(std::move(codec)), handle_(std::move(handle)) {}
+      : codec_(std::move(codec)), handle_(std::move(handle)) {
+    try {
+      producer_ = RegisterNetworkHolder(handle_);
+      if (producer_) attached_in_ = ForkGeneration();
+    } catch (...) {
+      uncounted_ = true;  // (its first attach counts the deserialization)
+      uncounted_in_ = ForkGeneration();
+    }
+  }
 
   ~NetworkPromise() override {
     if (consumer_ && consumer_->InCreatorProcess()) {
@@ -238,6 +281,9 @@ class NetworkPromise final : public PromiseBackend<T> {
     if (!claimed_ || claimed_in_ != ForkGeneration()) return;
     const auto producer = Attach();
     if (!result.ok()) {
+      if (result.error().origin.native && consumer_ && consumer_->InCreatorProcess()) {
+        consumer_->KeepNative(result.error().origin.native);
+      }
       producer->PublishError(result.error());
       return;
     }
@@ -263,10 +309,29 @@ class NetworkPromise final : public PromiseBackend<T> {
   }
 
   std::string Serialize() override {
-    if (consumer_ && consumer_->InCreatorProcess()) consumer_->MarkLeftProcess();
+    if (consumer_ && consumer_->InCreatorProcess()) {
+      consumer_->MarkLeftProcess();
+    } else {
+      try {
+        if (!CountSerializedInCreatorProcess(handle_)) Attach()->Serialized();
+      } catch (const FutureError&) {
+        // (The store cannot be reached from here: the handle is passed on all the same.)
+      }
+    }
     return handle_.Serialize();
   }
   const char* Kind() const override { return "network"; }
+
+  void RegisterHolder() noexcept override {
+    if (consumer_ && consumer_->InCreatorProcess()) return;
+    try {
+      const auto producer = NetworkProducer::Attach(handle_, AttachAs::kHolder);
+      std::lock_guard<std::mutex> lock(mu_);
+      producer_ = producer;
+      attached_in_ = ForkGeneration();
+    } catch (...) {
+    }
+  }
 
  protected:
   void ClaimShared(const char* producer) override {
@@ -298,10 +363,18 @@ class NetworkPromise final : public PromiseBackend<T> {
       std::lock_guard<std::mutex> lock(mu_);
       if (producer_ && attached_in_ == generation) return producer_;
     }
-    auto producer = NetworkProducer::Attach(handle_);  // (the process's one attachment: shared)
+    bool deserialized;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      deserialized = uncounted_ && uncounted_in_ == generation;
+    }
+    // (The process's one attachment: shared.)
+    auto producer = NetworkProducer::Attach(
+        handle_, deserialized ? AttachAs::kDeserialized : AttachAs::kFirstUse);
     std::lock_guard<std::mutex> lock(mu_);
     producer_ = std::move(producer);
     attached_in_ = generation;
+    uncounted_ = false;
     return producer_;
   }
 
@@ -313,6 +386,10 @@ class NetworkPromise final : public PromiseBackend<T> {
   mutable std::mutex mu_;
   mutable std::shared_ptr<NetworkProducer> producer_;  // guarded by mu_
   mutable uint64_t attached_in_ = 0;                   // guarded by mu_: its fork generation
+  // guarded by mu_: deserialized where the store could not be reached (uncounted_in_: that fork
+  // generation), so that the first attach there counts the deserialization
+  mutable bool uncounted_ = false;
+  mutable uint64_t uncounted_in_ = 0;
 };
 
 }  // namespace dtorch::core

@@ -48,9 +48,10 @@ class FutureBackend {
   // or its error thrown, as often as asked, also after Get(): the future keeps its completion.
   // Throws kNotReady before completion.
   virtual T Value() = 0;
-  // Blocks until `deadline` at the latest (a past deadline polls); true once ready. Never
-  // consumes; throws kNoState once consumed.
+  // Blocks until `deadline` at the latest (a past deadline polls); true once complete (also
+  // after Get()). Never consumes.
   virtual bool WaitUntil(Deadline deadline) const = 0;
+  // Whether the future is complete (a value or an error is there; also after Get() took it).
   virtual bool IsReady() const = 0;
   // False once Get() has taken the value.
   virtual bool Valid() const = 0;
@@ -120,6 +121,10 @@ class PromiseBackend {
   virtual std::string Serialize() = 0;
   // The kind's name, with static storage (handles keep the pointer).
   virtual const char* Kind() const = 0;
+  // This process received the promise without deserializing it (a forked child's arguments):
+  // for the kinds that cross processes, it registers as a holder (file_kind.h), as deserializing
+  // does. Never throws; a no-op for the others.
+  virtual void RegisterHolder() noexcept {}
 
  protected:
   // The part of Claim() that is shared with other handles of the same promise (other processes):

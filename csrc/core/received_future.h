@@ -74,15 +74,13 @@ class ReceivedFuture final : public FutureBackend<T> {
   bool WaitUntil(Deadline deadline) const override {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (taken_) throw FutureError(FutureErrc::kNoState, kTakenDetail);
-      if (received_) return true;
+      if (received_) return true;  // (also once taken: complete)
     }
     return SourceWaitUntil(deadline);
   }
   bool IsReady() const override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (taken_) return false;
-    return received_ || source_->IsReady();
+    return received_ || source_->IsReady();  // (taken: received, so complete)
   }
   bool Valid() const override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -116,7 +114,7 @@ class ReceivedFuture final : public FutureBackend<T> {
                                                   taken.payload_bytes,
                                                   std::move(taken.keep_alive)));
       } catch (const FutureError& e) {
-        received_ = Result<T>::Error(e.code(), e.detail());
+        received_ = Result<T>::Error(ErrorInfo{e.code(), e.detail(), e.origin()});
       } catch (const std::exception& e) {
         received_ = Result<T>::Error(FutureErrc::kInvalidHandle,
                                      std::string("the published value could not be read: ") +

@@ -16,8 +16,9 @@ namespace dtorch::core {
 struct ErrorInfo {
   FutureErrc code;
   std::string detail;
+  ErrorOrigin origin = {};  // a producer's exception: its type, traceback, object
 
-  FutureError ToException() const { return FutureError(code, detail); }
+  FutureError ToException() const { return FutureError(code, detail, origin); }
 };
 
 template <typename T>

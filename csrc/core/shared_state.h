@@ -5,7 +5,11 @@
 //     FutureError(kPromiseAlreadySatisfied) *before* anything changes, so the first value is kept;
 //   - Take() blocks until completion and consumes: afterwards Valid() is false and another Take()
 //     throws FutureError(kNoState). An error is consumed the same way (it is thrown once);
-//   - WaitUntil(deadline) never consumes and leaves the state valid when it times out;
+//   - WaitUntil(deadline) never consumes and leaves the state valid when it times out; after
+//     Take() it returns true at once (the state is complete, as torch.futures' wait() is after
+//     a value was read);
+//   - IsReady() reports completion: true once a value or an error is there, also after Take()
+//     (torch.futures.Future.done()); Valid() is the one that reports consumption;
 //   - Peek() reads a completed state, before or after Take() (torch.futures.Future.value()): a
 //     copy of the value, or the error thrown. So the state keeps its result until it is destroyed
 //     (a tensor's storage stays referenced while the future lives, as in torch.futures), and a
@@ -102,7 +106,6 @@ class SharedState {
   // state is complete. Never consumes.
   bool WaitUntil(std::chrono::steady_clock::time_point deadline) const {
     auto lock = LockSurvivingFork(mu_);
-    ThrowIfRetrievedLocked();
     if (CompleteLocked() || deadline <= std::chrono::steady_clock::now()) {
       return CompleteLocked();  // a poll: no timed wait (a syscall) at all
     }
@@ -122,7 +125,7 @@ class SharedState {
 
   bool IsReady() const {
     auto lock = LockSurvivingFork(mu_);
-    return result_.has_value() && !retrieved_;  // (taken: no longer ready)
+    return CompleteLocked();  // (also once taken: complete)
   }
 
   // The consumer's end is gone: drops the kept result, which nobody can read any more (a promise

@@ -22,17 +22,20 @@ class CodedError final : public Base, public CodedErrorBase {
         CodedErrorBase(code) {}
 };
 
-// Throws `message` as the c10 error of `code` ("dtorch: <cause>: <detail>" is FutureError's).
-[[noreturn]] void ThrowCoded(core::FutureErrc code, const std::string& message);
+// Throws `message` as the c10 error of `code` ("dtorch: <cause>: <detail>" is FutureError's);
+// a producer's exception keeps its `origin` (and `detail`, its message) on the coded error.
+[[noreturn]] void ThrowCoded(core::FutureErrc code, const std::string& message,
+                             const core::ErrorOrigin& origin = {}, const std::string& detail = {});
 [[noreturn]] inline void ThrowCoded(const core::FutureError& error) {
-  ThrowCoded(error.code(), error.what());
+  ThrowCoded(error.code(), error.what(), error.origin(), error.detail());
 }
 
-// A wait of `timeout_ms` (as the caller wrote it) that ended before the value arrived.
-inline core::FutureError TimedOut(const std::string& timeout_ms) {
+// A wait of `timeout` (as the caller wrote it, with its unit: "5000 ms", "1.5 s") that ended
+// before the value arrived.
+inline core::FutureError TimedOut(const std::string& timeout) {
   return core::FutureError(core::FutureErrc::kTimeout,
-                           "the value was not ready within " + timeout_ms +
-                               " ms; the future is still valid, wait again");
+                           "the value was not ready within " + timeout +
+                               "; the future is still valid, wait again");
 }
 
 }  // namespace dtorch

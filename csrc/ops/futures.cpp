@@ -1,5 +1,7 @@
 #include "futures.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <optional>
 #include <stdexcept>
@@ -20,15 +22,21 @@ namespace dtorch {
 
 CodedErrorBase::~CodedErrorBase() = default;
 
-void ThrowCoded(core::FutureErrc code, const std::string& message) {
+void ThrowCoded(core::FutureErrc code, const std::string& message,
+                const core::ErrorOrigin& origin, const std::string& detail) {
   switch (code) {
     case core::FutureErrc::kCannotLeaveProcess:
       // TypeError, as Python's own unpicklable objects raise (pickle's callers catch that one).
       throw CodedError<c10::TypeError>(code, message);
     case core::FutureErrc::kInvalidHandle:
       throw CodedError<c10::ValueError>(code, message);
-    default:
-      throw CodedError<c10::Error>(code, message);
+    default: {
+      CodedError<c10::Error> error(code, message);
+      if (!origin.empty()) {
+        error.SetOrigin(origin.exception_type, detail, origin.traceback, origin.native);
+      }
+      throw error;
+    }
   }
 }
 
@@ -55,12 +63,12 @@ const Backend& NonNull(const std::unique_ptr<Backend>& backend) {
 }
 
 [[noreturn]] void ThrowTimeout(int64_t timeout_ms) {
-  ThrowCoded(TimedOut(std::to_string(timeout_ms)));
+  ThrowCoded(TimedOut(std::to_string(timeout_ms) + " ms"));
 }
 
 void CheckTimeout(int64_t timeout_ms) {
   TORCH_CHECK(timeout_ms >= 0, "dtorch: timeout_ms must be >= 0, got ", timeout_ms,
-              "; use get() to wait without a limit");
+              "; call Wait() to wait without a limit");
 }
 
 [[noreturn]] void ThrowConsumedCollect() {
@@ -238,7 +246,18 @@ template <typename T>
 T Future<T>::Wait(int64_t timeout_ms) {
   CheckTimeout(timeout_ms);
   if (!WaitFor(timeout_ms)) ThrowTimeout(timeout_ms);
-  return Get();
+  return Value();
+}
+
+template <typename T>
+T Future<T>::Wait() {
+  TranslateErrors([&] {
+    if (backend_->IsReady()) return;
+    BeforeReturn before_return;
+    while (!backend_->WaitUntil(DeadlineIn(core::kMaxTimeoutMs))) {
+    }
+  });
+  return Value();
 }
 
 template <typename T>
@@ -289,8 +308,28 @@ c10::intrusive_ptr<Promise<T>> Promise<T>::FromSerialized(const std::string& ser
 }
 
 template <typename T>
-void Promise<T>::CheckValue(const T& value) const {
-  TranslateErrors([&] { backend_->CheckValue(value); });
+void Promise<T>::CheckValue(const T& value, const char* caller) {
+  try {
+    TranslateErrors([&] { backend_->CheckValue(value); });
+  } catch (const c10::Error& e) {
+    // The kind's own refusal (no code: a coded error is about reaching the pair, which an
+    // altered handle must not fail).
+    if (CodeOf(e) == nullptr) RefuseValue(caller, NestedMessage(e));
+    throw;
+  }
+}
+
+template <typename T>
+void Promise<T>::RefuseValue(const char* caller, const std::string& why) noexcept {
+  try {
+    backend_->Set(core::Result<T>::Error(core::FutureErrc::kProducerError,
+                                         std::string(caller) + " in the producer (pid " +
+                                             std::to_string(getpid()) +
+                                             ") refused the value: " + why),
+                  caller);
+  } catch (...) {
+    // (Claimed or failed already, or the pair cannot be reached: nothing to tell.)
+  }
 }
 
 template <typename T>
@@ -311,9 +350,15 @@ void Promise<T>::SetValue(T value) {
 template <typename T>
 void Promise<T>::SetValueFrom(T value, const char* caller) {
   if constexpr (std::is_same_v<T, at::Tensor>) {
-    TORCH_CHECK(value.defined(), "dtorch: set_value needs a defined tensor, got an undefined one");
-    if (value.key_set().has(c10::DispatchKey::Python)) {
-      if (const auto check = GetRuntimeHooks().check_subclass_value) check(value);
+    try {
+      TORCH_CHECK(value.defined(),
+                  "dtorch: set_value needs a defined tensor, got an undefined one");
+      if (value.key_set().has(c10::DispatchKey::Python)) {
+        if (const auto check = GetRuntimeHooks().check_subclass_value) check(value);
+      }
+    } catch (const c10::Error& e) {
+      RefuseValue(caller, NestedMessage(e));
+      throw;
     }
     if (!value.device().is_cpu() && backend_->CopiesValueOut()) {
       // Device work may still be writing it: snapshotted on its stream, completed after that.
@@ -323,8 +368,23 @@ void Promise<T>::SetValueFrom(T value, const char* caller) {
       return;
     }
   }
+  CheckValue(value, caller);
   BeforeReturn before_return;  // the waiter it wakes may take the GIL meanwhile
-  TranslateErrors([&] { backend_->Set(core::Result<T>::Value(std::move(value)), caller); });
+  TranslateErrors([&] {
+    backend_->Claim(caller);
+    backend_->Complete(core::Result<T>::Value(std::move(value)));
+  });
+}
+
+template <typename T>
+void Promise<T>::RegisterHolder() noexcept {
+  backend_->RegisterHolder();
+}
+
+template <typename T>
+void Promise<T>::SetError(const core::ErrorInfo& error, const char* caller) {
+  BeforeReturn before_return;
+  TranslateErrors([&] { backend_->Set(core::Result<T>::Error(error), caller); });
 }
 
 template <typename T>
@@ -338,6 +398,22 @@ void Promise<T>::SetException(const std::string& message) {
     backend_->Set(core::Result<T>::Error(core::FutureErrc::kProducerError, message),
                   "set_exception");
   });
+}
+
+template <typename T>
+void Promise<T>::SetException(const std::string& message, const std::string& exception_type,
+                              const std::string& traceback) {
+  TORCH_CHECK_VALUE(message.find('\0') == std::string::npos,
+                    "dtorch: set_exception: the message has a NUL character; pass text without "
+                    "NUL characters");
+  TORCH_CHECK_VALUE(core::ValidExceptionType(exception_type),
+                    "dtorch: set_exception: an exception type name is at most ",
+                    core::kMaxExceptionTypeBytes, " of [A-Za-z0-9_.], got '",
+                    exception_type.substr(0, 64), "'");
+  core::ErrorInfo error{core::FutureErrc::kProducerError, message};
+  error.origin.exception_type = exception_type;
+  error.origin.traceback = traceback;
+  SetError(error, "set_exception");
 }
 
 template <typename T>
@@ -416,12 +492,18 @@ void VoidFutureCollect::ThrowFirstDeviceError(Read read) const {
 
 void VoidFutureCollect::Wait(int64_t timeout_ms) {
   if (!WaitFor(timeout_ms)) ThrowTimeout(timeout_ms);
-  Get();
+  Value();
+}
+
+void VoidFutureCollect::Wait() {
+  while (!WaitFor(core::kMaxTimeoutMs)) {
+  }
+  Value();
 }
 
 bool VoidFutureCollect::WaitFor(int64_t timeout_ms) const {
   CheckTimeout(timeout_ms);
-  if (consumed_) ThrowConsumedCollect();
+  if (consumed_) return true;  // (complete: its futures were read)
   const auto deadline = DeadlineIn(timeout_ms);
   for (const auto& future : futures_) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -432,7 +514,7 @@ bool VoidFutureCollect::WaitFor(int64_t timeout_ms) const {
 }
 
 bool VoidFutureCollect::IsReady() const {
-  if (consumed_) return false;
+  if (consumed_) return true;
   for (const auto& future : futures_) {
     if (!future->IsReady()) return false;
   }

@@ -23,8 +23,16 @@ template <typename T>
 class ProducerAccess {
  public:
   // Refuses a value this promise's kind cannot carry (a device tensor in a file promise), before
-  // anything is claimed.
-  static void CheckValue(const Promise<T>& promise, const T& value) { promise.CheckValue(value); }
+  // anything is claimed by `caller`, and fails the promise with that refusal.
+  static void CheckValue(Promise<T>& promise, const T& value, const char* caller) {
+    promise.CheckValue(value, caller);
+  }
+  // Fails the promise with `error`, naming `caller` (a string literal) as its producer; throws as
+  // SetValue does (a promise set already).
+  static void SetError(Promise<T>& promise, const core::ErrorInfo& error, const char* caller) {
+    promise.SetError(error, caller);
+  }
+  static void RegisterHolder(Promise<T>& promise) noexcept { promise.RegisterHolder(); }
   static bool CopiesValueOut(const Promise<T>& promise) { return promise.CopiesValueOut(); }
   // SetValue, naming the op that fulfils the promise in a second completion's error (a string
   // literal: the claim keeps the pointer).

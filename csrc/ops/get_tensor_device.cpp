@@ -15,7 +15,7 @@ using Producer = detail::ProducerAccess<at::Tensor>;
 
 void CompleteFromDevice(const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise,
                         const char* caller) {
-  Producer::CheckValue(*promise, input);
+  Producer::CheckValue(*promise, input, caller);
   CheckNotCapturing(input.device(), caller);  // before the snapshot copy is queued (captured)
   Producer::Claim(*promise, caller);
   at::Tensor snapshot;
@@ -63,7 +63,8 @@ void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorP
     CompleteFromDevice(input, promise, "get_tensor");
     return;
   }
-  Producer::CheckValue(*promise, input);  // a kind that cannot carry a device tensor refuses it here
+  // A kind that cannot carry a device tensor refuses it here.
+  Producer::CheckValue(*promise, input, "get_tensor");
   CheckNotCapturing(input.device(), "get_tensor");  // refused before anything is claimed
   // Claimed now: a used promise raises here, as on CPU, and any later completion raises too.
   Producer::Claim(*promise, "get_tensor");

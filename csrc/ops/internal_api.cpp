@@ -1,6 +1,8 @@
 // The internal exports (internal_api.h) over the core.
 #include "internal_api.h"
 
+#include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "../core/completion_detectors.h"
@@ -13,6 +15,7 @@
 #include "../core/promise_future.h"
 #include "../core/ready_notifier.h"
 #include "errors.h"
+#include "futures.h"
 #include "tensor_codec.h"
 
 namespace dtorch {
@@ -35,6 +38,62 @@ std::function<void()> ReadyPoster(const c10::intrusive_ptr<ReadyNotifier>& notif
 }
 
 namespace internal {
+namespace {
+
+template <typename T>
+void SetExceptionOf(const c10::intrusive_ptr<Promise<T>>& promise, const std::string& message,
+                    const std::string& exception_type, const std::string& traceback,
+                    std::shared_ptr<const core::NativeError> native) {
+  TORCH_CHECK(promise, "dtorch: set_exception needs a promise, got None");
+  TORCH_CHECK_VALUE(core::ValidExceptionType(exception_type),
+                    "dtorch: set_exception: an exception type name is at most ",
+                    core::kMaxExceptionTypeBytes, " of [A-Za-z0-9_.]");
+  core::ErrorInfo error{core::FutureErrc::kProducerError, message};
+  error.origin = {exception_type, traceback, std::move(native)};
+  detail::ProducerAccess<T>::SetError(*promise, error, "set_exception");
+}
+
+}  // namespace
+
+void SetExceptionObject(const c10::intrusive_ptr<TensorPromise>& promise,
+                        const std::string& message, const std::string& exception_type,
+                        const std::string& traceback,
+                        std::shared_ptr<const core::NativeError> native) {
+  SetExceptionOf(promise, message, exception_type, traceback, std::move(native));
+}
+
+void SetExceptionObject(const c10::intrusive_ptr<VoidPromise>& promise, const std::string& message,
+                        const std::string& exception_type, const std::string& traceback,
+                        std::shared_ptr<const core::NativeError> native) {
+  SetExceptionOf(promise, message, exception_type, traceback, std::move(native));
+}
+
+void RegisterHolder(const c10::intrusive_ptr<TensorPromise>& promise) {
+  if (promise) detail::ProducerAccess<at::Tensor>::RegisterHolder(*promise);
+}
+
+void RegisterHolder(const c10::intrusive_ptr<VoidPromise>& promise) {
+  if (promise) detail::ProducerAccess<Unit>::RegisterHolder(*promise);
+}
+
+std::function<void()> FailAfter(const c10::intrusive_ptr<VoidPromise>& promise,
+                                int64_t timeout_ms, std::string detail) {
+  TORCH_CHECK(promise, "dtorch: a timeout needs a promise, got None");
+  TORCH_CHECK(timeout_ms >= 0, "dtorch: a timeout must be >= 0 ms, got ", timeout_ms);
+  const auto when = std::chrono::steady_clock::now() +
+                    std::chrono::milliseconds(std::min(timeout_ms, core::kMaxTimeoutMs));
+  return core::CompletionPool::Instance().PostAt(
+      when, [weak = c10::weak_intrusive_ptr<VoidPromise>(promise), detail = std::move(detail)] {
+        const auto promise = weak.lock();
+        if (!promise) return;
+        try {
+          detail::ProducerAccess<Unit>::SetError(
+              *promise, core::ErrorInfo{core::FutureErrc::kTimeout, detail}, "the timeout");
+        } catch (...) {
+          // (Completed before the timeout: the value stays.)
+        }
+      });
+}
 
 c10::intrusive_ptr<TensorListFuture> FailedTensorListFuture(const std::string& message) {
   core::MemoryPromise<std::vector<at::Tensor>> promise;
@@ -84,8 +143,9 @@ KeptPayloads KeptFilePayloads() {
   return {kept.produced, kept.received, kept.produced_bytes, kept.received_bytes};
 }
 
-void FileKindAtChildExit() {
+void AtChildExit() {
   core::MarkFileProducersExited();
+  core::MarkNetworkProducersExiting();
   core::ReleaseIdleFileSegments();
 }
 

@@ -24,6 +24,7 @@
 namespace dtorch {
 
 namespace core {
+class NativeError;
 class ReadyNotifier;
 }
 
@@ -114,6 +115,31 @@ void NotifyWhenReady(const c10::intrusive_ptr<Waitable>& waitable,
 
 namespace internal {
 
+// ---- Promises from the bindings.
+// Python's set_exception(exc): fails `promise` with a producer error set from an exception, its
+// `message`, type name and traceback text, and `native` (the exception object itself: a consumer
+// in this process raises it as it is). Throws as Promise::SetException.
+DTORCH_INTERNAL_API void SetExceptionObject(const c10::intrusive_ptr<TensorPromise>& promise,
+                                            const std::string& message,
+                                            const std::string& exception_type,
+                                            const std::string& traceback,
+                                            std::shared_ptr<const core::NativeError> native);
+DTORCH_INTERNAL_API void SetExceptionObject(const c10::intrusive_ptr<VoidPromise>& promise,
+                                            const std::string& message,
+                                            const std::string& exception_type,
+                                            const std::string& traceback,
+                                            std::shared_ptr<const core::NativeError> native);
+// This process holds `promise`, received without deserializing it (a forked multiprocessing
+// child's arguments): for the kinds that cross processes it registers as a holder, as
+// deserializing does. Never throws.
+DTORCH_INTERNAL_API void RegisterHolder(const c10::intrusive_ptr<TensorPromise>& promise);
+DTORCH_INTERNAL_API void RegisterHolder(const c10::intrusive_ptr<VoidPromise>& promise);
+// Fails `promise` with FutureErrc::kTimeout and `detail` once timeout_ms has passed, unless it was
+// completed by then (a timer of the completion pool: no thread of its own). Holds it weakly.
+// Returns what cancels the timer (callable from any thread; call it once the promise is set).
+DTORCH_INTERNAL_API std::function<void()> FailAfter(const c10::intrusive_ptr<VoidPromise>& promise,
+                                                    int64_t timeout_ms, std::string detail);
+
 // ---- Tracing: a future that fails with `message` (what fake kernels return for a list of host
 // copies, so that reading a traced stand-in raises instead of yielding no tensors).
 DTORCH_INTERNAL_API c10::intrusive_ptr<TensorListFuture> FailedTensorListFuture(
@@ -150,8 +176,9 @@ struct KeptPayloads {
 };
 DTORCH_INTERNAL_API KeptPayloads KeptFilePayloads();
 // In a child process about to exit without the library's exit handler (multiprocessing's fork
-// start): its consumers read "producer exited", and its doorbell goes if nothing is pending.
-DTORCH_INTERNAL_API void FileKindAtChildExit();
+// start): the consumers of its file and network promises read "producer exited" once it is
+// gone, and its doorbell goes if nothing is pending.
+DTORCH_INTERNAL_API void AtChildExit();
 // Takes the interprocess lock of the serialized file promise and never returns.
 [[noreturn]] DTORCH_INTERNAL_API void HoldFilePromiseLockForTesting(const std::string& serialized);
 // Test-only, the tensor codec of file promises (tensor_codec.h) alone: the header and payload a

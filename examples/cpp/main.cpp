@@ -82,6 +82,9 @@ void TimeoutKeepsFutureValid() {
   promise->SetValue(t);
   Check(future->WaitFor(kWaitMs) && future->IsReady(), "ready once set");
   Check(future->Wait(kWaitMs).is_same(t), "waiting again yields the value");
+  Check(future->Wait().is_same(t) && future->Valid(), "Wait() leaves the future valid");
+  Check(future->Get().is_same(t) && !future->Valid() && future->IsReady(),
+        "only Get() consumes; the future stays complete");
 }
 
 // (c2) The host copy: a CPU copy of each tensor, ready once it has landed (a CPU tensor, as
@@ -110,7 +113,9 @@ void SyncDevices() {
   auto collect = dtorch::SyncAsync(std::vector<c10::Device>{c10::Device(c10::kCPU)});
   Check(collect->Devices().size() == 1 && collect->IsReady(), "a CPU sync is ready at once");
   collect->Wait(kWaitMs);
-  Check(!collect->Valid(), "Wait() consumes the collect");
+  Check(collect->Valid(), "Wait() does not consume the collect");
+  collect->Get();
+  Check(!collect->Valid() && collect->IsReady(), "Get() consumes it; it stays complete");
   auto promise = c10::make_intrusive<dtorch::VoidPromise>("memory");
   auto done = promise->GetFuture();
   dtorch::SyncInto(std::nullopt, promise);

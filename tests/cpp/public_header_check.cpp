@@ -52,8 +52,10 @@ void Futures() {
   std::atomic<bool> called{false};
   future->OnReady([&called] { called = true; });
   Check(called, "OnReady on a ready future runs at once");
+  Check(future->Wait().is_same(t) && future->Wait(kWaitMs).is_same(t) && future->Valid(),
+        "Wait() returns the value, not consumed");
   Check(future->Get().is_same(t) && !future->Valid(), "Get() consumes");
-  Check(future->Value().is_same(t), "Value() after Get()");
+  Check(future->IsReady() && future->Value().is_same(t), "complete, and Value(), after Get()");
   Check(dtorch::ToTorchAsync(t)->Wait(kWaitMs).is_same(t), "ToTorchAsync");
   Check(dtorch::ToTorch(t).is_same(t), "ToTorch");
 
@@ -113,8 +115,12 @@ void Sync() {
   Check(collect->Devices().size() == 1 && collect->Kind() == "memory", "its devices");
   collect->Value();
   collect->OnReady([] {});
+  collect->Wait();
+  collect->Wait(kWaitMs);
+  Check(collect->Valid(), "Wait() does not consume");
   collect->Get();
-  ExpectCode([&] { collect->Wait(kWaitMs); }, dtorch::FutureErrc::kNoState, "consumed");
+  Check(!collect->Valid() && collect->IsReady(), "Get() consumes; the collect stays complete");
+  collect->Wait(kWaitMs);  // (complete: returns at once)
 
   auto promise = c10::make_intrusive<dtorch::VoidPromise>("memory");
   c10::intrusive_ptr<dtorch::VoidFuture> future = promise->GetFuture();

@@ -78,9 +78,9 @@ static void TestValueAndConsume() {
   promise.SetValue(7);
   CHECK(future->IsReady() && WaitMs(*future, 0));
   CHECK(future->Get() == 7);
-  CHECK(!future->Valid() && !future->IsReady());
+  CHECK(!future->Valid() && future->IsReady());  // consumed, and still complete
   CHECK(ErrorCodeOf([&] { future->Get(); }) == FutureErrc::kNoState);
-  CHECK(ErrorCodeOf([&] { WaitMs(*future, 0); }) == FutureErrc::kNoState);
+  CHECK(WaitMs(*future, 0) && future->Value() == 7);  // waits never consume, nor refuse
   ++g_passed;
 }
 
@@ -742,6 +742,82 @@ static void TestFileKindProducerProcesses() {
     CHECK(e.detail().find("producer died (pid " + std::to_string(child) + ")") !=
           std::string::npos);
     waitpid(child, nullptr, 0);
+  }
+  {  // a process that only deserialized the promise holds it: killed before any use, it "died"
+    FilePromise<int64_t> creator(codec);
+    auto future = creator.GetFuture();
+    const std::string serialized = creator.Serialize();
+    int ready[2];
+    CHECK(pipe(ready) == 0);
+    const pid_t child = fork();
+    if (child == 0) {
+      auto holder = Deserialized(serialized, codec);  // registered here, nothing used
+      const char byte = 1;
+      if (write(ready[1], &byte, 1) != 1) _exit(2);
+      for (;;) pause();
+    }
+    char byte = 0;
+    CHECK(read(ready[0], &byte, 1) == 1);
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+    const auto start = std::chrono::steady_clock::now();
+    const auto e = ErrorOf([&] { future->Get(); });  // (the creator keeps its own handle)
+    CHECK(std::chrono::steady_clock::now() - start < 2s);
+    CHECK(e.code() == FutureErrc::kBrokenPromise &&
+          e.detail().find("producer died (pid " + std::to_string(child) + ")") !=
+              std::string::npos);
+    close(ready[0]);
+    close(ready[1]);
+  }
+  {  // a holder that passes the handle on and ends: no break while it is in flight; the process
+     // that deserializes it later sets the value
+    FilePromise<int64_t> creator(codec);
+    auto future = creator.GetFuture();
+    const std::string serialized = creator.Serialize();
+    int forwarded[2];
+    CHECK(pipe(forwarded) == 0);
+    const pid_t holder = fork();
+    if (holder == 0) {
+      const std::string passed_on = Deserialized(serialized, codec)->Serialize();
+      if (write(forwarded[1], passed_on.data(), passed_on.size()) !=
+          static_cast<ssize_t>(passed_on.size())) {
+        _exit(2);
+      }
+      _exit(0);  // (no exit handler: "died", but a handle of it is in flight)
+    }
+    waitpid(holder, nullptr, 0);
+    std::this_thread::sleep_for(1500ms);  // (a break takes under a second)
+    CHECK(!future->IsReady());
+    const pid_t receiver = fork();
+    if (receiver == 0) {
+      std::string text(serialized.size(), '\0');
+      if (read(forwarded[0], text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
+        _exit(2);
+      }
+      Deserialized(text, codec)->SetValue(5);
+      _exit(0);
+    }
+    CHECK(WaitMs(*future, 10'000) && future->Get() == 5);
+    waitpid(receiver, nullptr, 0);
+    close(forwarded[0]);
+    close(forwarded[1]);
+  }
+  {  // ... and a handle in flight that never arrives breaks at the attach deadline
+    const int64_t saved = AttachTimeoutMs();
+    SetAttachTimeoutMs(500);
+    FilePromise<int64_t> creator(codec);
+    auto future = creator.GetFuture();
+    const std::string serialized = creator.Serialize();
+    const pid_t holder = fork();
+    if (holder == 0) {
+      Deserialized(serialized, codec)->Serialize();  // (to nobody)
+      _exit(0);
+    }
+    waitpid(holder, nullptr, 0);
+    const auto e = ErrorOf([&] { future->Get(); });
+    CHECK(e.code() == FutureErrc::kBrokenPromise &&
+          e.detail().find("never deserialized") != std::string::npos);
+    SetAttachTimeoutMs(saved);
   }
   ++g_passed;
 }

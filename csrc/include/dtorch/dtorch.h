@@ -30,6 +30,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +48,8 @@ template <typename T>
 class FutureBackend;
 template <typename T>
 class PromiseBackend;
+class NativeError;
+struct ErrorInfo;
 }  // namespace core
 
 namespace detail {
@@ -80,9 +83,31 @@ class DTORCH_API CodedErrorBase {
   explicit CodedErrorBase(FutureErrc code) : code_(code) {}
   virtual ~CodedErrorBase();
   FutureErrc code() const noexcept { return code_; }
+  // A producer error set from an exception (Python's set_exception(exc)): the exception type's
+  // name in the producer ("ValueError"; empty when a message was set), its message, and the
+  // producer's traceback text (may be empty; cut to a few KB, its end kept).
+  const std::string& exception_type() const noexcept { return exception_type_; }
+  const std::string& exception_message() const noexcept { return exception_message_; }
+  const std::string& producer_traceback() const noexcept { return producer_traceback_; }
+  // The exception object itself, when it was set in this process (for the binding that set it).
+  const std::shared_ptr<const core::NativeError>& native_exception() const noexcept {
+    return native_exception_;
+  }
+  void SetOrigin(std::string exception_type, std::string exception_message,
+                 std::string producer_traceback,
+                 std::shared_ptr<const core::NativeError> native_exception) {
+    exception_type_ = std::move(exception_type);
+    exception_message_ = std::move(exception_message);
+    producer_traceback_ = std::move(producer_traceback);
+    native_exception_ = std::move(native_exception);
+  }
 
  private:
   FutureErrc code_;
+  std::string exception_type_;
+  std::string exception_message_;
+  std::string producer_traceback_;
+  std::shared_ptr<const core::NativeError> native_exception_;
 };
 
 // The code of a promise's or future's failure, or nullptr for another error (see "Errors").
@@ -93,9 +118,10 @@ inline const CodedErrorBase* CodeOf(const c10::Error& error) {
 // ---------------------------------------------------------------------------------------------
 // Futures: the consumer's end (torch.classes.dtorch.TensorFuture / VoidFuture / TensorListFuture)
 
-// Created by Promise::GetFuture() or GetTensorAsync(); one consumer end per promise. Consuming
-// calls (Get, a successful Wait) may succeed once; the others any number of times, concurrently.
-// A future keeps its completion while it lives: Value() works also after Get().
+// Created by Promise::GetFuture() or GetTensorAsync(); one consumer end per promise. Only Get()
+// consumes (it may succeed once); every other method may be called any number of times,
+// concurrently, before and after it. A future keeps its completion while it lives: Value() and
+// Wait() return it also after Get(), and IsReady() stays true.
 template <typename T>
 class DTORCH_API Future : public torch::CustomClassHolder {
  public:
@@ -107,8 +133,12 @@ class DTORCH_API Future : public torch::CustomClassHolder {
   // Blocks until the value is ready and returns it; consumes (Valid() is false after, and a second
   // Get() throws FutureErrc::kNoState). Throws the completion's error instead, if it failed.
   T Get();
-  // Like Get() if the value arrives within timeout_ms (>= 0); otherwise throws
-  // FutureErrc::kTimeout and the future stays valid.
+  // Blocks until the value is ready and returns it (as Value()) without consuming it, as
+  // torch.futures.Future.wait() (std::future::wait_for does not consume either): the future
+  // stays valid. Throws the completion's error instead, if it failed.
+  T Wait();
+  // The same, waiting at most timeout_ms (>= 0); past it throws FutureErrc::kTimeout (the future
+  // stays valid).
   T Wait(int64_t timeout_ms);
   // The value of a completed future without consuming it, as torch.futures.Future.value(): the
   // same tensor each time (no copy), or the completion's error thrown. Throws FutureErrc::kNotReady
@@ -116,8 +146,10 @@ class DTORCH_API Future : public torch::CustomClassHolder {
   T Value();
   // Blocks up to timeout_ms; true once ready (value or error). Never consumes.
   bool WaitFor(int64_t timeout_ms) const;
+  // Whether the future is complete (a value or an error is there), as
+  // torch.futures.Future.done(): also true after Get() took the value. Never blocks.
   bool IsReady() const;
-  // False once Get() (or Wait) took the value.
+  // False once Get() took the value.
   bool Valid() const;
   // The kind of the pair: "memory" or "file".
   std::string Kind() const { return kind_; }
@@ -149,8 +181,9 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
   explicit Promise(std::unique_ptr<core::PromiseBackend<T>> backend);
   ~Promise() override;
   // The promise that another process serialized with Serialize(): untrusted input, validated
-  // before anything is opened (c10::ValueError, FutureErrc::kInvalidHandle, if malformed). It
-  // attaches to the pair on first use, not here.
+  // before anything is opened (c10::ValueError, FutureErrc::kInvalidHandle, if malformed). This
+  // process holds the pair from now on (its death or exit without setting breaks the future);
+  // a handle that does not match its pair, or a pair it cannot reach, raises at first use.
   static c10::intrusive_ptr<Promise> FromSerialized(const std::string& serialized);
 
   // Fulfils the promise with `value` (a memory future yields this very tensor; a file future a
@@ -160,6 +193,11 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
   void SetValue(T value);
   // Fails the future with FutureErrc::kProducerError and `message`.
   void SetException(const std::string& message);
+  // The same, for an exception: its type's name ("ValueError": a Python consumer raises that
+  // type where it is a built-in one, else a ProducerError naming it) and the producer's
+  // traceback text (may be empty).
+  void SetException(const std::string& message, const std::string& exception_type,
+                    const std::string& traceback);
   // The consumer's end; callable once (then FutureErrc::kFutureAlreadyRetrieved). For a file
   // promise, only in the process that created the pair.
   c10::intrusive_ptr<Future<T>> GetFuture();
@@ -172,10 +210,17 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
   friend class detail::ProducerAccess<T>;
   // SetValue, naming the op that fulfils the promise (a string literal: the claim keeps it).
   void SetValueFrom(T value, const char* caller);
+  // Fails the promise with `error` (set_exception of the bindings), naming `caller`.
+  void SetError(const core::ErrorInfo& error, const char* caller);
+  // This process holds the promise (a binding received it without deserializing it).
+  void RegisterHolder() noexcept;
   // For producers that complete later (the device get_tensor kernel, sync_into): Claim() reserves
   // the promise at call time, so that any other completion raises now; the producer then completes
   // with CompleteClaimed / FailClaimed, which never throw.
-  void CheckValue(const T& value) const;
+  // CheckValue refuses a value this kind cannot carry, and then fails the promise with that
+  // refusal too (RefuseValue), so that a consumer elsewhere learns why no value comes.
+  void CheckValue(const T& value, const char* caller);
+  void RefuseValue(const char* caller, const std::string& why) noexcept;
   // Whether the kind copies the value out of this process (file): a device value must then be
   // snapshotted on its stream before it is completed.
   bool CopiesValueOut() const;
@@ -212,8 +257,10 @@ class DTORCH_API VoidFutureCollect : public torch::CustomClassHolder {
 
   // Blocks until every device is done; consumes (see Future::Get).
   void Get();
-  // Like Get() within timeout_ms for all devices together; otherwise throws FutureErrc::kTimeout
-  // and stays valid.
+  // Blocks until every device is done and throws the first device's error, if any, without
+  // consuming (see Future::Wait); with timeout_ms, for all devices together, else throws
+  // FutureErrc::kTimeout.
+  void Wait();
   void Wait(int64_t timeout_ms);
   // Get()'s outcome without consuming, once every device is done, also after Get(); throws
   // FutureErrc::kNotReady before.
