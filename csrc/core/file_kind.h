@@ -250,7 +250,7 @@ class FilePromise final : public PromiseBackend<T> {
   }
 
   void CheckValue(const T& value) const override {
-    Attach();  // a producer whose value was refused is still one (it used the promise)
+    Attach();  // (a handle this process inherited, not deserialized, registers here)
     codec_->CheckValue(value);
   }
 
