@@ -135,7 +135,7 @@ def _exception_parts(exception: BaseException) -> tuple[str, str, str]:
     return name, message.replace("\0", "\\x00"), trace.replace("\0", "\\x00")
 
 
-def _producer_exception(type_name: str, message: str, trace: str, full_message: str):
+def _producer_exception(type_name: str, message: str, trace: str):
     """What a consumer raises for an exception a producer in another process set: the built-in
     type it was, with its message (ProducerError naming the type for other types), and a note
     with the producer's traceback (the binding calls this)."""
@@ -147,9 +147,7 @@ def _producer_exception(type_name: str, message: str, trace: str, full_message: 
         except Exception:  # noqa: BLE001 (a type that takes other arguments)
             exception = None
     if exception is None:
-        prefix = "dtorch: producer error: "
-        detail = full_message[len(prefix):] if full_message.startswith(prefix) else message
-        exception = ProducerError(f"{prefix}{type_name}: {detail}")
+        exception = ProducerError(f"dtorch: producer error: {type_name}: {message}")
     note = "dtorch_ops: set by the producer with set_exception()"
     if trace:
         note += "; the producer's traceback:\n" + trace.rstrip()

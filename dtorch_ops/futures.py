@@ -13,6 +13,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -608,18 +609,20 @@ def collect_all(futures, timeout=None, *, timeout_ms=None) -> ObjectFuture:
 
     timeout (seconds) or timeout_ms=: the collected future fails with FutureTimeoutError if they
     are not all complete by then (a timer of the library's pool, no thread per call)."""
-    return _collect_all(futures, timeout, timeout_ms, "collect_all")
+    futures = _future_list(futures, "collect_all")
+    return _collect_all(futures, _C.timeout_ms_of("collect_all", timeout, timeout_ms),
+                        _describe_timeout(timeout, timeout_ms))
 
 
-def _collect_all(futures, timeout, timeout_ms, what: str) -> ObjectFuture:
-    futures = _future_list(futures, what)
-    limit = _C.timeout_ms_of(what, timeout, timeout_ms)
+def _collect_all(futures: list, limit, timeout_text: str) -> ObjectFuture:
+    """collect_all of checked futures; `limit`: its timeout in ms (None: none), as timeout_text
+    says it."""
     collected = _new(ObjectFuture)
     remaining = [len(futures)]
     settle = _pending_object_future(
         collected, None if limit is None or not futures else limit,
-        f"{what}: not every future was complete within "
-        f"{_describe_timeout(timeout, timeout_ms)}; the futures are still valid")
+        f"collect_all: not every future was complete within {timeout_text}; the futures are "
+        f"still valid")
     lock = threading.Lock()  # callbacks run on the threads that complete the futures
 
     def one_done(future):
@@ -654,7 +657,7 @@ def wait_all(futures, timeout=None, *, timeout_ms=None) -> list:
     they are)."""
     futures = _future_list(futures, "wait_all")
     limit = _C.timeout_ms_of("wait_all", timeout, timeout_ms)
-    collected = _collect_all(futures, None, None, "wait_all")
+    collected = _collect_all(futures, None, "")
     try:
         collected._h.wait(limit)
     except FutureTimeoutError:
@@ -668,9 +671,9 @@ def wait_all(futures, timeout=None, *, timeout_ms=None) -> list:
 
 
 # torch.futures.Future -> its _C.CompletionFanout (ours keep theirs in a slot); the lock makes
-# one fanout per future.
+# one fanout per future, of either.
 _torch_future_fanouts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_torch_future_fanouts_lock = threading.RLock()
+_fanouts_lock = threading.RLock()
 
 
 def _fanout_of(future):
@@ -679,12 +682,12 @@ def _fanout_of(future):
     if isinstance(future, _Waitable):
         fanout = getattr(future, "_fanout", None)
         if fanout is None:
-            with _torch_future_fanouts_lock:  # (one fanout per future, also across threads)
+            with _fanouts_lock:  # (one fanout per future, also across threads)
                 fanout = getattr(future, "_fanout", None)
                 if fanout is None:
                     fanout = future._fanout = _C.CompletionFanout.of(future._h)
         return fanout
-    with _torch_future_fanouts_lock:
+    with _fanouts_lock:
         fanout = _torch_future_fanouts.get(future)
         if fanout is None:
             fanout = _torch_future_fanouts[future] = _C.CompletionFanout()
@@ -724,8 +727,6 @@ def as_completed(futures, timeout=None, *, timeout_ms=None):
     limit = _C.timeout_ms_of("as_completed", timeout, timeout_ms)
     unique = list({id(f): f for f in futures}.values())
     queue = _completion_queue(unique)
-    import time
-
     deadline = None if limit is None else time.monotonic() + limit / 1000
 
     def iterate():

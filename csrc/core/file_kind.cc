@@ -428,13 +428,13 @@ class CreatorsChannel final : public ChannelBase {
 std::shared_ptr<shm::Segment> ConsumerDoorbellOf(const std::string& segment,
                                                  const FileControlBlock* block);
 
-// A handle deserialized in the pair's creator process, there: it completes the pair as the
-// creator's own handle does (no entry in the producer table: the creator's copies are no
-// holders), its doorbell mapped at its first claim.
-class CopyInCreatorChannel final : public ChannelBase {
+// A channel of a process that is not the consumer's own handle: it maps the consumer's doorbell
+// at its first claim, so that a process that only holds the promise maps nothing more and
+// starts no thread (the watcher that releases mapped doorbells).
+class ClaimingChannel : public ChannelBase {
  public:
-  CopyInCreatorChannel(std::shared_ptr<shm::Segment> control, std::string segment)
-      : ChannelBase(std::move(control), kCreatorClaimant, nullptr), segment_(std::move(segment)) {}
+  ClaimingChannel(std::shared_ptr<shm::Segment> control, uint32_t claimant, std::string segment)
+      : ChannelBase(std::move(control), claimant, nullptr), segment_(std::move(segment)) {}
 
   ClaimOutcome TryClaim() override {
     if (doorbell() == nullptr) SetDoorbell(ConsumerDoorbellOf(segment_, block()));
@@ -445,30 +445,31 @@ class CopyInCreatorChannel final : public ChannelBase {
   const std::string segment_;
 };
 
+// A handle deserialized in the pair's creator process, there: it completes the pair as the
+// creator's own handle does (no entry in the producer table: the creator's copies are no
+// holders).
+class CopyInCreatorChannel final : public ClaimingChannel {
+ public:
+  CopyInCreatorChannel(std::shared_ptr<shm::Segment> control, std::string segment)
+      : ClaimingChannel(std::move(control), kCreatorClaimant, std::move(segment)) {}
+};
+
 bool IsCreatorProcess(const FileControlBlock* block) {
   const auto self = shm::Self();
   return block->creator_pid == self.pid && block->creator_start == self.start_time;
 }
 
 // A producer process's attachment: its entry in the producer table.
-class ProducerAttachment final : public ChannelBase {
+class ProducerAttachment final : public ClaimingChannel {
  public:
-  // The doorbell is mapped at the first claim: a process that only holds the promise maps nothing
-  // more, and starts no thread (the watcher that releases mapped doorbells).
   ProducerAttachment(std::shared_ptr<shm::Segment> control, std::string segment, uint32_t slot)
-      : ChannelBase(std::move(control), slot, nullptr),
-        segment_(std::move(segment)),
+      : ClaimingChannel(std::move(control), slot, std::move(segment)),
         slot_(slot),
         pid_(shm::CurrentPid()) {}
 
   ~ProducerAttachment() override { Leave(kDropped); }
 
   const FileControlBlock* control_block() const { return block(); }
-
-  ClaimOutcome TryClaim() override {
-    if (doorbell() == nullptr) SetDoorbell(ConsumerDoorbellOf(segment_, block()));
-    return ChannelBase::TryClaim();
-  }
 
   // This process no longer produces: its handles are gone (kDropped) or it exits (kExited).
   void Leave(uint32_t why) noexcept {
@@ -483,7 +484,6 @@ class ProducerAttachment final : public ChannelBase {
   }
 
  private:
-  const std::string segment_;
   const uint32_t slot_;
   const int32_t pid_;
 };
@@ -592,7 +592,7 @@ class ConsumerImpl final : public FileConsumer {
 
   void MarkLeftProcess() override {
     block()->flags.fetch_or(kLeftProcess);
-    block()->serialized.fetch_add(1);
+    CountSerialized();
   }
   void CountSerialized() noexcept override { block()->serialized.fetch_add(1); }
 

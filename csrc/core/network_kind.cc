@@ -1452,6 +1452,11 @@ class ProducerImpl final : public NetworkProducer,
   void Serialized() noexcept override;
   // This process exits: a consumer that knows of this producer is told (kExiting). Never throws.
   void Exiting() noexcept;
+  // Pushes `message` to the consumer's queue, noted as sent (mu_ held). Throws StoreError.
+  void SendLocked(const std::string& message);
+  // Announce's work (mu_ held, standing_ pending): tells the consumer of this producer if the
+  // pair waits for it, else goes silent. Throws StoreError (standing_ stays pending).
+  void AnnounceLocked(bool deserialized);
   // The attach message of this attachment (throws what ThisHolder does).
   std::string AttachMessage(bool deserialized) const {
     return EncodeAttach(handle_.pair, session_->id(),
@@ -1521,35 +1526,37 @@ bool ProducerImpl::Awaited(Session& session, const NetworkHandle& handle,
   return holder == record || holder == claim;
 }
 
+void ProducerImpl::SendLocked(const std::string& message) {
+  session_->store().QueuePush(QueueKey(handle_.consumer), message);
+  session_->Sent(handle_.consumer, handle_.pair, 0);
+}
+
+void ProducerImpl::AnnounceLocked(bool deserialized) {
+  // Nothing to tell: the value's message said it all, or this is the creator's own process
+  // (its handle holds the pair; a copy there is no holder), or the pair does not wait for this
+  // handle's producer. (Still pending if the store cannot be reached: a later call may tell.)
+  if (published_ || withdrawn_ || session_->id() == handle_.consumer ||
+      !Awaited(*session_, handle_, record_, claim_)) {
+    standing_ = Standing::kSilent;
+    return;
+  }
+  session_->Beat(/*force=*/false);  // (its heartbeat exists before the consumer watches it)
+  SendLocked(AttachMessage(deserialized));
+  standing_ = Standing::kAnnounced;
+}
+
 void ProducerImpl::Announce(bool deserialized) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   try {
-    if (standing_ == Standing::kAnnounced) {
+    if (standing_ == Standing::kPending) {
+      AnnounceLocked(deserialized);
+    } else if (standing_ == Standing::kAnnounced && deserialized && !published_) {
       // (Known to the consumer already: another deserialization of this process is counted.)
-      if (deserialized && !published_) {
-        session_->store().QueuePush(QueueKey(handle_.consumer), AttachMessage(true));
-        session_->Sent(handle_.consumer, handle_.pair, 0);
-      }
-      return;
+      SendLocked(AttachMessage(true));
     }
-    if (standing_ != Standing::kPending) return;
-    standing_ = Standing::kSilent;
-    if (published_ || withdrawn_) return;  // (the value's message said it all)
-    // The creator's own process: its handle holds the pair; a copy there is no holder.
-    if (session_->id() == handle_.consumer) return;
-    standing_ = Standing::kPending;  // (until the consumer was told, or it is known not to wait)
-    if (!Awaited(*session_, handle_, record_, claim_)) {
-      standing_ = Standing::kSilent;
-      return;
-    }
-    // Its heartbeat exists before the consumer watches it.
-    session_->Beat(/*force=*/false);
-    session_->store().QueuePush(QueueKey(handle_.consumer), AttachMessage(deserialized));
-    session_->Sent(handle_.consumer, handle_.pair, 0);
-    standing_ = Standing::kAnnounced;
   } catch (...) {
     // (The store cannot be reached: the consumer learns of that through its own connection, and
-    // this producer's set raises. Still pending: a later announcement may get through.)
+    // this producer's set raises.)
   }
 }
 
@@ -1560,36 +1567,18 @@ void ProducerImpl::Exiting() noexcept {
     return;
   }
   try {
-    session_->store().QueuePush(QueueKey(handle_.consumer),
-                                EncodeHead(kExiting, handle_.pair, session_->id()));
-    session_->Sent(handle_.consumer, handle_.pair, 0);
+    SendLocked(EncodeHead(kExiting, handle_.pair, session_->id()));
   } catch (...) {
   }
 }
 
 void ProducerImpl::Serialized() noexcept {
   std::lock_guard<std::mutex> lock(mu_);
-  if (standing_ == Standing::kPending) {
-    // (Not announced yet: first, so that the consumer knows this process held it.)
-    try {
-      if (published_ || withdrawn_ || session_->id() == handle_.consumer ||
-          !Awaited(*session_, handle_, record_, claim_)) {
-        standing_ = Standing::kSilent;
-        return;
-      }
-      session_->Beat(/*force=*/false);
-      session_->store().QueuePush(QueueKey(handle_.consumer), AttachMessage(false));
-      session_->Sent(handle_.consumer, handle_.pair, 0);
-      standing_ = Standing::kAnnounced;
-    } catch (...) {
-      return;  // (still pending: the store cannot be reached now)
-    }
-  }
-  if (standing_ != Standing::kAnnounced || published_) return;  // (nobody waits for a count)
   try {
-    session_->store().QueuePush(QueueKey(handle_.consumer),
-                                EncodeHead(kSerialized, handle_.pair, session_->id()));
-    session_->Sent(handle_.consumer, handle_.pair, 0);
+    // (Not announced yet: first, so that the consumer knows this process held it.)
+    if (standing_ == Standing::kPending) AnnounceLocked(false);
+    if (standing_ != Standing::kAnnounced || published_) return;  // (nobody waits for a count)
+    SendLocked(EncodeHead(kSerialized, handle_.pair, session_->id()));
   } catch (...) {
     // (The store cannot be reached: the pair fails through the consumer's own connection.)
   }

@@ -210,7 +210,7 @@ void TranslateCodedErrors(std::exception_ptr error) {
             py::module_::import("dtorch_ops.errors")
                 .attr("_producer_exception")(coded.exception_type(),
                                              TextOf(coded.exception_message()),
-                                             TextOf(coded.producer_traceback()), text);
+                                             TextOf(coded.producer_traceback()));
         PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exception.ptr())), exception.ptr());
         return;
       }
