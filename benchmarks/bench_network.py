@@ -300,8 +300,8 @@ def bandwidth(report, producer, store, mib, repeats):
 
 def _settle(store, seconds=5.0):
     """Waits (bounded) for the kind's threads here to exit, nothing being in flight; returns the
-    keys left in the store (ours only: dtorch/ and bench/), but for this process's heartbeat key,
-    which goes at its exit."""
+    keys left in the store (ours only: dtorch/ and bench/), but for this process's heartbeat and
+    identity keys, which go at its exit."""
     deadline = time.monotonic() + seconds
     while dtorch_ops.library_threads().get("network", 0) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -309,8 +309,8 @@ def _settle(store, seconds=5.0):
         keys = store.list_keys()
     except (AttributeError, RuntimeError):
         return None
-    mine = f"dtorch/n/hb/{_OWN_ID[0]}"
-    return sorted(k for k in keys if k.startswith(("dtorch/", "bench/")) and k != mine)
+    mine = {f"dtorch/n/hb/{_OWN_ID[0]}", f"dtorch/n/id/{_OWN_ID[0]}"}
+    return sorted(k for k in keys if k.startswith(("dtorch/", "bench/")) and k not in mine)
 
 
 def main(report, rounds=5, samples=100, mib=64, repeats=7):

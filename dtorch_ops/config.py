@@ -78,6 +78,12 @@ class Config:
         "Network promises: a process with network pairs in flight bumps its heartbeat in the "
         "store every 0.5 s; how long a producer's heartbeat may stand still before its "
         "consumers count it dead and fail the futures it was to set (default 5.0, at least 1.0).")
+    network_store_timeout_s = _LibrarySetting(
+        _C.network_store_timeout_ms, _C.set_network_store_timeout_ms, float, 1000,
+        "Network promises: the bound of every exchange with the store (connecting, each call "
+        "of a producer, a consumer or the library's thread): a store that does not answer "
+        "within it (frozen, cut off) fails the calls and the pairs waiting on it with "
+        "BrokenPromiseError naming the store (default 30.0, at least 0.1).")
     file_payload_idle_s = _LibrarySetting(
         _C.payload_idle_ms, _C.set_payload_idle_ms, float, 1000,
         "File promises: a producer writes each value into a shared-memory segment that it and "
@@ -87,7 +93,7 @@ class Config:
     def __repr__(self):
         names = ("per_device_per_process", "max_detector_threads", "detector_idle_exit_s",
                  "pool_threads", "exit_timeout_s", "attach_timeout_s",
-                 "network_heartbeat_timeout_s", "file_payload_idle_s")
+                 "network_heartbeat_timeout_s", "network_store_timeout_s", "file_payload_idle_s")
         return "dtorch_ops.Config(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 
 

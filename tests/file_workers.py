@@ -334,3 +334,45 @@ def fuzz_from_serialized_main() -> None:
             del promise
         report(index, "noop", started)
     sys.stdout.flush()
+
+
+def sets_for_a_killed_consumer_main() -> None:
+    """Run (as the whole interpreter) in a mount namespace whose /dev/shm is a small tmpfs: starts
+    a consumer process that makes N pairs and prints their handles, SIGKILLs it, then sets an
+    8 MiB value through each handle. Prints one JSON line per set (error, if any, and what of
+    /dev/shm is used then), and the last line: the names the dead consumer left."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+
+    import dtorch_ops
+
+    count = int(sys.argv[1])
+    consumer = subprocess.Popen(
+        [sys.executable, "-c",
+         "import json, sys, time, dtorch_ops\n"
+         f"pairs = [dtorch_ops.TensorPromise(kind='file') for _ in range({count})]\n"
+         "futures = [p.get_future() for p in pairs]\n"
+         "print(json.dumps([p.serialize() for p in pairs]), flush=True)\n"
+         "time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True)
+    # (Held before the kill: each set then finds the pair, not a name the first set unlinked.)
+    promises = [dtorch_ops.TensorPromise.from_serialized(h)
+                for h in json.loads(consumer.stdout.readline())]
+    consumer.send_signal(signal.SIGKILL)
+    consumer.wait(30)
+    value = torch.ones(2 << 20)  # 8 MiB
+    for promise in promises:
+        error = None
+        try:
+            promise.set_value(value)
+        except Exception as e:  # noqa: BLE001 (reported)
+            error = f"{type(e).__name__}: {e}"
+        usage = os.statvfs("/dev/shm")
+        used = (usage.f_blocks - usage.f_bfree) * usage.f_frsize
+        print(json.dumps({"error": error, "used_bytes": used}), flush=True)
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"dtorch_{consumer.pid}-")]
+    print(json.dumps({"left": left}), flush=True)

@@ -35,6 +35,14 @@ def drop_and_wait(serialized: str, cls_name: str, ready, release) -> None:
     release.get(timeout=60)
 
 
+def drop_and_return(serialized: str, ready) -> None:
+    """Deserializes a promise, drops it unset, says so, and returns at once (its drop message
+    goes out at the exit, before the next round of the library's thread could send it)."""
+    promise = dtorch_ops.TensorPromise.from_serialized(serialized)
+    del promise
+    ready.send(os.getpid())
+
+
 def fail_inside_fulfilling(promise) -> None:
     """The idiom: a failure inside `with promise.fulfilling()` reaches the consumer."""
     with promise.fulfilling():

@@ -48,7 +48,8 @@ def store():
 
 def our_keys(store) -> list:
     return sorted(k for k in store.list_keys()
-                  if k.startswith(KEY_PREFIX) and not k.startswith(KEY_PREFIX + "hb/"))
+                  if k.startswith(KEY_PREFIX)
+                  and not k.startswith((KEY_PREFIX + "hb/", KEY_PREFIX + "id/")))
 
 
 @pytest.fixture
@@ -137,6 +138,27 @@ def test_a_worker_that_drops_the_promise_and_lives_on(kind, store):
     assert time.monotonic() - started <= FAILED_WITHIN_S
     release.put(None)
     worker.join(30)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_a_holder_that_drops_the_promise_and_returns_at_once_is_named_for_the_drop(
+        kind, store, start_method):
+    """The drop is told before the process ends (not taken for a death once it is gone)."""
+    ctx = multiprocessing.get_context(start_method)
+    for _ in range(3):  # (the exit came before the drop's message at times: a race, so 3 tries)
+        promise = make_promise(kind, store)
+        future = promise.get_future()
+        ready, report = ready_pipe(ctx)
+        worker = ctx.Process(target=holder_workers.drop_and_return,
+                             args=(promise.serialize(), report))
+        worker.start()
+        pid = receive(ready)
+        worker.join(30)
+        assert worker.exitcode == 0
+        with pytest.raises(errors.BrokenPromiseError) as info:
+            future.wait(timeout=10)
+        assert re.search(rf"dropped the promise \(pid {pid}\)", str(info.value)), info.value
+        del info, future, promise
 
 
 def test_a_holder_that_forwards_the_promise_and_returns_breaks_nothing(kind, store):

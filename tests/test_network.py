@@ -121,8 +121,10 @@ def our_keys(store) -> list:
 
 
 def leftover_keys(store) -> list:
-    """The kind's keys but heartbeats (a live process keeps its heartbeat key until it exits)."""
-    return [key for key in our_keys(store) if not key.startswith(KEY_PREFIX + "hb/")]
+    """The kind's keys but heartbeats and identities (a live process keeps those until it
+    exits)."""
+    return [key for key in our_keys(store)
+            if not key.startswith((KEY_PREFIX + "hb/", KEY_PREFIX + "id/"))]
 
 
 @pytest.fixture(autouse=True)
@@ -395,23 +397,36 @@ def test_a_compiled_producer_sends_the_value_as_of_the_call(store, producer):
 # ---- failures -----------------------------------------------------------------------------------
 
 
+def setting(name: str, value):
+    """For a fixture: dtorch_ops.config.<name> is `value` during the test."""
+    before = getattr(dtorch_ops.config, name)
+    setattr(dtorch_ops.config, name, value)
+    yield
+    setattr(dtorch_ops.config, name, before)
+
+
 @pytest.fixture
 def short_heartbeat():
-    before = dtorch_ops.config.network_heartbeat_timeout_s
-    dtorch_ops.config.network_heartbeat_timeout_s = HEARTBEAT_S
-    yield
-    dtorch_ops.config.network_heartbeat_timeout_s = before
+    yield from setting("network_heartbeat_timeout_s", HEARTBEAT_S)
 
 
 @pytest.fixture
 def short_attach_timeout():
-    before = dtorch_ops.config.attach_timeout_s
-    dtorch_ops.config.attach_timeout_s = 1.0
-    yield
-    dtorch_ops.config.attach_timeout_s = before
+    yield from setting("attach_timeout_s", 1.0)
 
 
-def test_the_store_killed_mid_wait_breaks_the_future():
+STORE_TIMEOUT_S = 1.0
+# A call on a store that stopped answering fails within the timeout, plus what a call queued
+# behind one that timed out waits (one more timeout), plus slack for a loaded machine.
+SILENT_STORE_FAILS_WITHIN_S = 2 * STORE_TIMEOUT_S + 2.0
+
+
+@pytest.fixture
+def short_store_timeout():
+    yield from setting("network_store_timeout_s", STORE_TIMEOUT_S)
+
+
+def test_the_store_killed_mid_wait_breaks_the_future(capfd):
     server = subprocess.Popen(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS!r}); import network_workers;"
                                f" network_workers.store_server_main()"],
@@ -437,6 +452,8 @@ def test_the_store_killed_mid_wait_breaks_the_future():
         # The creator's promise cannot reach its store either: a dtorch error, no hang.
         with pytest.raises(errors.BrokenPromiseError):
             promise.set_value(torch.ones(1))
+        # What we report is all that is printed (no C++ stack trace of c10d's on stderr).
+        assert "Exception raised from" not in capfd.readouterr().err
     finally:
         server.kill()
         server.wait(10)
@@ -485,6 +502,62 @@ def test_a_killed_consumer_leaves_no_key(store, address, producer, processes):
                           CLEANUP_S)
     finally:
         producer.call(network_workers.configure, 5.0)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("killed", ["before_the_set", "after_the_set"])
+def test_a_killed_consumers_keys_are_gone_once_a_prompt_producer_exits(store, address, killed):
+    """The consumer SIGKILLed before the producer sets a chunked value (32 MiB), or after it (the
+    consumer stopped meanwhile, so it reads nothing); the producer exits at once, long before
+    the heartbeat timeout (5 s): nothing of the dead consumer's is left in the store, not its
+    chunks, claim, queue, heartbeat or identity."""
+    consumer = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, dtorch_ops\n"
+         f"p = dtorch_ops.TensorPromise(kind='network', store={address!r}); f = p.get_future()\n"
+         "print(p.serialize(), flush=True); sys.stdin.readline()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    producer = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, torch, dtorch_ops\n"
+         "dtorch_ops.config.exit_timeout_s = 20.0  # (its clean-up at exit, on a loaded machine)\n"
+         "p = dtorch_ops.TensorPromise.from_serialized(sys.stdin.readline().strip())\n"
+         "print('held', flush=True); sys.stdin.readline()\n"
+         "p.set_value(torch.ones(8 << 20))\n"
+         "print('set', flush=True); sys.stdin.readline()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        handle = consumer.stdout.readline().strip()
+        names = fields(handle)
+        producer.stdin.write(handle + "\n")
+        producer.stdin.flush()
+        assert producer.stdout.readline().strip() == "held"
+
+        def consumers_keys():
+            return [k for k in our_keys(store) if names["consumer"] in k or names["pair"] in k]
+
+        assert KEY_PREFIX + "id/" + names["consumer"] in consumers_keys()
+        if killed == "before_the_set":
+            consumer.kill()
+            consumer.wait(10)
+        else:
+            consumer.send_signal(signal.SIGSTOP)
+        producer.stdin.write("\n")
+        producer.stdin.flush()
+        assert producer.stdout.readline().strip() == "set"
+        if killed == "after_the_set":
+            assert any("/v/" in k for k in consumers_keys())  # (its chunks, unread)
+            consumer.kill()
+            consumer.wait(10)
+        killed_at = time.monotonic()
+        producer.stdin.close()
+        assert producer.wait(30) == 0
+        assert time.monotonic() - killed_at < dtorch_ops.config.network_heartbeat_timeout_s
+        assert consumers_keys() == []
+    finally:
+        for process in (consumer, producer):
+            process.kill()
+            process.wait(10)
 
 
 def test_a_promise_is_set_once_across_processes(store, producer, other):
@@ -723,6 +796,93 @@ def test_tampered_serialized_promises_are_refused(store, address, producer):
 # ---- options ------------------------------------------------------------------------------------
 
 
+def elapsed_raising(call, error, match):
+    """Runs call(); it must raise `error` matching `match`: returns the seconds it took."""
+    started = time.monotonic()
+    with pytest.raises(error, match=match):
+        call()
+    return time.monotonic() - started
+
+
+@pytest.mark.timeout(60)
+def test_a_listener_that_never_answers_fails_every_call_within_the_store_timeout(
+        store, short_store_timeout):
+    """A socket that accepts connections (the kernel does) and never answers: a new promise
+    there, and a producer's handle naming it, fail with BrokenPromiseError naming the store."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    where = f"127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        took = elapsed_raising(lambda: dtorch_ops.TensorPromise(kind="network", store=where),
+                               errors.BrokenPromiseError, rf"{where}.*did not answer within 1000")
+        assert took <= SILENT_STORE_FAILS_WITHIN_S, took
+        # A real handle with the silent address instead of the store's (the tampering case of an
+        # untrusted handle): deserializing it, then setting it, end in bounded time.
+        promise, future = network_pair(store)
+        forged = promise.serialize().replace(f"127.0.0.1:{store.port}", where)
+        started = time.monotonic()
+        holder = dtorch_ops.TensorPromise.from_serialized(forged)
+        with pytest.raises(errors.BrokenPromiseError, match=rf"{where}.*did not answer"):
+            holder.set_value(torch.ones(1))
+        assert time.monotonic() - started <= 2 * SILENT_STORE_FAILS_WITHIN_S
+        assert not future.done()  # (the real pair is untouched)
+        promise.set_value(torch.ones(2))
+        assert torch.equal(future.wait(timeout=10), torch.ones(2))
+    finally:
+        silent.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_store_fails_calls_and_pairs_within_the_store_timeout(short_store_timeout):
+    """The store's server SIGSTOPped: a connected producer's next set, a new promise and the
+    futures waiting on it fail within the timeout; a process exits within config.exit_timeout_s."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {TESTS!r}); import network_workers;"
+                               f" network_workers.store_server_main()"],
+        stdout=subprocess.PIPE, text=True)
+    processes_to_kill = [None]
+    try:
+        where = f"127.0.0.1:{int(server.stdout.readline())}"
+        first, first_future = network_pair(where)
+        second, second_future = network_pair(where)
+        first.set_value(torch.ones(3))  # (the connection works)
+        assert torch.equal(first_future.wait(timeout=10), torch.ones(3))
+        # A process with a pair in flight on the store, to exit once it is frozen.
+        exiting = processes_to_kill[0] = subprocess.Popen(
+            [sys.executable, "-c",
+             "import sys, dtorch_ops\n"
+             f"dtorch_ops.config.network_store_timeout_s = {STORE_TIMEOUT_S}\n"
+             f"p = dtorch_ops.TensorPromise(kind='network', store={where!r}); f = p.get_future()\n"
+             "print('ready', flush=True); sys.stdin.readline()\n"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert exiting.stdout.readline().strip() == "ready"
+        server.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        took = elapsed_raising(lambda: second.set_value(torch.ones(1)), errors.BrokenPromiseError,
+                               rf"{where}")
+        assert took <= SILENT_STORE_FAILS_WITHIN_S, took
+        with pytest.raises(errors.BrokenPromiseError, match=rf"{where}"):
+            second_future.wait(timeout=30)
+        assert time.monotonic() - frozen_at <= 2 * SILENT_STORE_FAILS_WITHIN_S
+        new_took = elapsed_raising(lambda: network_pair(where), errors.BrokenPromiseError,
+                                   rf"{where} cannot be reached.*did not answer within 1000")
+        assert new_took <= SILENT_STORE_FAILS_WITHIN_S, new_took
+        started = time.monotonic()
+        exiting.stdin.close()  # it exits
+        assert exiting.wait(30) == 0
+        exit_took = time.monotonic() - started
+        # (Its exit: config.exit_timeout_s, 1 s, at most, plus an interpreter's teardown.)
+        assert exit_took <= 1.0 + 3.0, exit_took
+        print(f"frozen store: set failed after {took:.2f} s, a new promise after {new_took:.2f} s,"
+              f" exit took {exit_took:.2f} s")
+    finally:
+        server.send_signal(signal.SIGCONT)
+        for process in [server] + [p for p in processes_to_kill if p is not None]:
+            process.kill()
+            process.wait(10)
+
+
 def test_bad_options_are_refused_with_the_right_error(store, address):
     for bad_store in (dist.HashStore(), 5, None, b"127.0.0.1:1"):
         with pytest.raises(TypeError, match="store= takes a torch.distributed.TCPStore"):
@@ -751,6 +911,14 @@ def test_bad_options_are_refused_with_the_right_error(store, address):
     # Configuration.
     with pytest.raises(ValueError, match=">= 1000 ms"):
         dtorch_ops.config.network_heartbeat_timeout_s = 0.5
+    with pytest.raises(ValueError, match=">= 100 ms"):
+        dtorch_ops.config.network_store_timeout_s = 0.05
+    assert dtorch_ops.config.network_store_timeout_s == 30.0
+    # A value the codec refuses names no other kind.
+    promise, future = network_pair(store)
+    with pytest.raises(RuntimeError, match="a cross-process promise carries values") as info:
+        promise.set_value(torch.ones(2, device="meta"))
+    assert "file" not in str(info.value)
     assert dtorch_ops.config.network_heartbeat_timeout_s == 5.0
 
 

@@ -14,6 +14,7 @@
 #include <map>
 #include <new>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <thread>
 #include <tuple>
@@ -188,6 +189,29 @@ std::string UnlinkNamedPayload(const FileControlBlock* block) {
   return name;
 }
 
+// A producer found `consumer` dead: the segments this process keeps for dead consumers are
+// dropped and every name a dead process of this user left in /dev/shm is unlinked (the pairs'
+// control segments, payloads it never received), rather than at the next sweep or import. Once
+// per dead consumer (its other pairs' sets find nothing new of it): a scan of /dev/shm.
+void ReleaseWhatDeadConsumersLeft(const std::optional<shm::ProcessId>& consumer) noexcept {
+  if (consumer) {
+    static std::mutex mu;
+    static std::set<std::pair<int32_t, uint64_t>> released;  // guarded by mu
+    try {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!released.emplace(consumer->pid, consumer->start_time).second) return;
+      if (released.size() > 4096) released.clear();  // (bounded; a repeat only scans again)
+    } catch (...) {
+    }
+  }
+  try {
+    payload::Sweep(Clock::now(), [](const shm::ProcessId& p) { return shm::IsAlive(p); });
+  } catch (...) {
+    // (Out of memory: the watcher's sweep drops them.)
+  }
+  shm::ReapSegmentsOfDeadProcesses();
+}
+
 // The pair's producer died before publishing: what it was writing goes.
 void DiscardPayloadOfDeadProducer(const FileControlBlock* block) {
   const std::string name = UnlinkNamedPayload(block);
@@ -303,6 +327,18 @@ class ChannelBase : public FileChannel {
     if (header.size() > kMaxValueHeaderBytes) {
       throw fail(FutureError(FutureErrc::kInvalidHandle, "the value's header does not fit"));
     }
+    const shm::ProcessId consumer = shm::InThisNamespace(b->creator_pid, b->creator_start);
+    // (Its own pairs: no /proc read. Another's: one before the payload is made, one after.)
+    const bool elsewhere = !(consumer == shm::Self());
+    if (payload_bytes > 0 && elsewhere && !shm::IsAlive(consumer)) {
+      // Nobody will read it: nothing is made for a dead consumer (a SIGKILLed controller's
+      // workers would fill /dev/shm), and what it left goes now. The pair ends as broken.
+      ReleaseWhatDeadConsumersLeft(consumer);
+      PublishError({FutureErrc::kBrokenPromise, "the consumer (pid " +
+                                                    std::to_string(consumer.pid) +
+                                                    ") died before the value was set"});
+      return;
+    }
     std::unique_ptr<payload::Lease> lease;
     if (payload_bytes > 0) {
       try {
@@ -339,7 +375,12 @@ class ChannelBase : public FileChannel {
     // then receives what was published; the lease settles the race. A consumer that died is
     // the watcher's: payload::Sweep.)
     const bool published = Finish(kValue);
-    if (lease && (!published || (b->flags.load() & kConsumerGone))) lease->Withdraw();
+    // (And one that died while the value was written: its segment goes before the set returns.)
+    const bool consumer_died = lease && elsewhere && !shm::IsAlive(consumer);
+    if (lease && (!published || consumer_died || (b->flags.load() & kConsumerGone))) {
+      lease->Withdraw();
+    }
+    if (consumer_died) ReleaseWhatDeadConsumersLeft(consumer);
     if (lease) WatchKeptPayloads();
   }
 
@@ -1444,6 +1485,8 @@ void StopFileKind(std::chrono::steady_clock::time_point deadline) noexcept {
   }
   for (auto& consumer : consumers) consumer->StopAtExit();
   MarkFileProducersExited();
+  // A producer's exit: what it made for consumers that died is not left in /dev/shm.
+  if (payload::Kept().produced > 0) ReleaseWhatDeadConsumersLeft(std::nullopt);
   // Leaked: a pending future may still be destroyed later in the exit, by another thread.
   new std::vector<std::shared_ptr<ConsumerImpl>>(std::move(consumers));
 }

@@ -49,7 +49,8 @@
 // writing for a pair that went away is settled once that producer is done or dead); a process's
 // doorbell goes 2 s after its last pending pair; at exit a process unlinks what it owns; what a
 // killed process left is reaped when the library next loads in a process of the same user and
-// pid namespace.
+// pid namespace, and by a producer that finds its consumer dead when it sets (it then makes no
+// payload for it, and ends the pair as broken) or at its own exit.
 //
 // Thread-safety: every method may be called from any thread.
 #pragma once

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -47,6 +48,7 @@ constexpr size_t kAttachmentHexDigits = 16;
 
 std::atomic<StoreConnector> store_connector{nullptr};
 std::atomic<int64_t> heartbeat_timeout_ms{kDefaultNetworkHeartbeatTimeoutMs};
+std::atomic<int64_t> store_timeout_ms{kDefaultNetworkStoreTimeoutMs};
 std::atomic<size_t> kind_threads{0};
 
 // Forks of this process (counted in the parent): a pair created before one may have reached the
@@ -82,6 +84,9 @@ bool IsClaimValue(std::string_view s) {
 std::string QueueKey(const std::string& process) { return kKeyPrefix + std::string("q/") + process; }
 std::string HeartbeatKey(const std::string& process) {
   return kKeyPrefix + std::string("hb/") + process;
+}
+std::string IdentityKey(const std::string& process) {
+  return kKeyPrefix + std::string("id/") + process;
 }
 std::string ClaimKey(const std::string& pair) { return kKeyPrefix + std::string("c/") + pair; }
 std::string ChunkKey(const std::string& pair, uint32_t i) {
@@ -221,6 +226,43 @@ HolderInfo ThisHolder(bool deserialized, const std::string& attachment) {
   }
   info.host = HostName();
   return info;
+}
+
+// A consumer's identity, written as it starts its first pair ("<uid>:<pid>:<start time>:<pid
+// namespace>:<boot id>"): a producer of the same user on the same kernel finds it gone at once,
+// by pid, rather than after its heartbeat timeout, and deletes what it sent it (also at its own
+// exit). "" where this process cannot tell who it is (no /proc of its own): none is written.
+std::string EncodeIdentity() {
+  try {
+    const HolderInfo self = ThisHolder(false, "");
+    if (self.boot_id.empty()) return {};
+    return std::to_string(geteuid()) + ":" + std::to_string(self.pid) + ":" +
+           std::to_string(self.start_time) + ":" + std::to_string(self.pid_namespace) + ":" +
+           self.boot_id;
+  } catch (...) {
+    return {};
+  }
+}
+
+// The process `text` names when it is this user's and runs on this kernel in this pid namespace
+// (another user's may be hidden from /proc: hidepid); nullopt when it runs elsewhere or `text` is
+// no identity (read from the store: untrusted).
+std::optional<shm::ProcessId> LocalProcessOf(std::string_view text) {
+  uint64_t fields[4] = {};
+  size_t pos = 0;
+  for (uint64_t& field : fields) {
+    const size_t colon = text.find(':', pos);
+    if (colon == std::string_view::npos || colon == pos || colon - pos > 20) return std::nullopt;
+    const auto parsed = std::from_chars(text.data() + pos, text.data() + colon, field);
+    if (parsed.ec != std::errc() || parsed.ptr != text.data() + colon) return std::nullopt;
+    pos = colon + 1;
+  }
+  const std::string_view boot_id = text.substr(pos);
+  if (fields[0] != geteuid() || fields[1] == 0 || fields[1] > INT32_MAX || boot_id.size() != 32 ||
+      !IsHex(boot_id) || boot_id != BootId() || fields[3] != ThisPidNamespace()) {
+    return std::nullopt;
+  }
+  return shm::ProcessId{static_cast<int32_t>(fields[1]), fields[2], fields[3]};
 }
 
 // 'V': u8 status (0 value, 1 error) | u32 error code | u64 payload bytes | u32 chunks |
@@ -437,7 +479,8 @@ class Session : public std::enable_shared_from_this<Session> {
   const StoreAddress& address() const { return address_; }
   const std::string& id() const { return id_; }
   KeyValueStore& store() { return *store_; }
-  bool broken() const { return broken_; }
+  // Its connection was lost (a call that failed or timed out on it, on any thread), or it broke.
+  bool broken() const { return broken_ || store_->Broken(); }
 
   // Bumps this process's heartbeat: always when `force`, else unless it was bumped within half a
   // tick (a process that starts a pair between two ticks must not look exited, or dead with a
@@ -467,6 +510,27 @@ class Session : public std::enable_shared_from_this<Session> {
     std::lock_guard<std::mutex> lock(mu_);
     next_tick_.push_back(std::move(work));
   }
+  // Runs now what waits for the next round: the process exits, and that round may never come
+  // (a handle dropped just before the exit tells its consumer, which would otherwise find this
+  // process gone and say "died").
+  void RunDeferred() noexcept {
+    for (int round = 0; round < 4; ++round) {  // (work may queue more: a last reference dropped)
+      std::vector<std::function<void()>> work;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        work.swap(next_tick_);
+      }
+      if (work.empty()) return;
+      for (auto& w : work) w();  // (noexcept: see ProducerImpl::Announce)
+    }
+  }
+  // Whether `consumer` ran on this kernel and is gone (its identity read once from the store).
+  // Throws StoreError.
+  bool ConsumerGoneHere(const std::string& consumer);
+  // `consumer` is gone: its queue drained, the keys its messages name and the claims of `pairs`
+  // deleted, and its heartbeat and identity. Throws StoreError.
+  void DeleteWhatADeadConsumerLeft(const std::string& consumer,
+                                   const std::vector<std::string>& pairs);
   // A message about `pair` went to `consumer`'s queue: what it names is this process's to delete
   // should that consumer die before reading it.
   void Sent(const std::string& consumer, const std::string& pair, uint32_t chunks) {
@@ -530,6 +594,11 @@ class Session : public std::enable_shared_from_this<Session> {
   bool wake_pending_ = false;     // guarded by mu_: a wake message is on its way to it
   std::map<std::string, Liveness> producers_liveness_;  // guarded by mu_: as a consumer
   std::map<std::string, Liveness> consumers_liveness_;  // guarded by mu_: as a producer
+  // guarded by mu_: as a producer, the consumers' processes on this kernel, by store id (nullopt:
+  // elsewhere, or no identity)
+  std::map<std::string, std::optional<shm::ProcessId>> consumer_processes_;
+  bool identity_tried_ = false;    // guarded by mu_: as a consumer
+  bool identity_written_ = false;  // guarded by mu_: as a consumer
   int64_t producers_ = 0;  // guarded by mu_: announced NetworkProducers of this process here
   std::map<std::string, std::vector<SentPair>> sent_;  // guarded by mu_: by consumer
   std::vector<Cleanup> cleanups_;                      // guarded by mu_
@@ -825,6 +894,18 @@ void Session::Beat(bool force) {
 
 void Session::Register(const std::string& pair, const std::string& record,
                        const std::shared_ptr<ConsumerImpl>& consumer) {
+  bool identity_tried;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    identity_tried = identity_tried_;
+  }
+  if (!identity_tried) {
+    const std::string identity = EncodeIdentity();
+    if (!identity.empty()) store_->Set(IdentityKey(id_), identity);  // (before anyone looks)
+    std::lock_guard<std::mutex> lock(mu_);
+    identity_tried_ = true;
+    identity_written_ = !identity.empty();
+  }
   store_->Set(ClaimKey(pair), record);  // (first: a pair that failed to register has no key)
   bool first;
   {
@@ -1094,6 +1175,21 @@ void Session::Receive(KeyValueStore& connection, const Message& m,
 void Session::Break(const std::string& why) {
   if (broken_.exchange(true)) return;
   Unregister(this);
+  // (A call blocked on a store that stopped answering gives up now: the watcher's pop too.)
+  std::shared_ptr<KeyValueStore> watch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    watch = watch_connection_;
+  }
+  if (watch) watch->Abort();
+  store_->Abort();
+  // (What waits for a tick holds this session: dropped, outside mu_, so that nothing keeps the
+  // broken session and its connections alive.)
+  std::vector<std::function<void()>> deferred;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    deferred.swap(next_tick_);
+  }
   for (auto& c : LiveConsumers()) {
     c->Fail(FutureErrc::kBrokenPromise, "the store at " + address_.ToString() +
                                             " went away while the value was awaited (" + why + ")");
@@ -1236,7 +1332,10 @@ void Session::CheckProducers(Clock::time_point now) {
       gone.push_back(id);
     }
   }
-  for (const auto& id : gone) store_->DeleteKey(HeartbeatKey(id));  // whoever sees death deletes
+  for (const auto& id : gone) {  // whoever sees death deletes (a consumer's identity too)
+    store_->DeleteKey(HeartbeatKey(id));
+    store_->DeleteKey(IdentityKey(id));
+  }
   std::map<std::string, Liveness> snapshot;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1280,19 +1379,11 @@ void Session::CleanUpForConsumers() {
         dead = true;
       }
     }
+    if (!received && !dead && consumer != id_) dead = ConsumerGoneHere(consumer);
     if (dead) {
-      // The consumer will not read its queue: drain it, and delete what its messages name (the
-      // pairs' claims and values: the consumer's pairs, all gone with it).
-      while (auto bytes = store_->QueuePopNow(QueueKey(consumer))) {
-        const std::optional<Message> m = Decode(*bytes);
-        if (!m || m->type == kWake) continue;
-        for (uint32_t i = 0; m->type == kValue && i < m->value.chunks; ++i) {
-          store_->DeleteKey(ChunkKey(m->pair, i));
-        }
-        store_->DeleteKey(ClaimKey(m->pair));
-      }
-      for (const auto& p : pairs) store_->DeleteKey(ClaimKey(p.pair));  // (read before it died)
-      store_->DeleteKey(HeartbeatKey(consumer));
+      std::vector<std::string> names;
+      for (const auto& p : pairs) names.push_back(p.pair);
+      DeleteWhatADeadConsumerLeft(consumer, names);
       received = true;
     }
     if (received) {
@@ -1304,9 +1395,48 @@ void Session::CleanUpForConsumers() {
       if (now_sent.empty()) {
         sent_.erase(consumer);
         consumers_liveness_.erase(consumer);
+        consumer_processes_.erase(consumer);
       }
     }
   }
+}
+
+void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
+                                          const std::vector<std::string>& pairs) {
+  // The consumer will not read its queue: drain it, and delete what its messages name (the
+  // pairs' claims and values: the consumer's pairs, all gone with it).
+  while (auto bytes = store_->QueuePopNow(QueueKey(consumer))) {
+    const std::optional<Message> m = Decode(*bytes);
+    if (!m || m->type == kWake) continue;
+    for (uint32_t i = 0; m->type == kValue && i < m->value.chunks; ++i) {
+      store_->DeleteKey(ChunkKey(m->pair, i));
+    }
+    store_->DeleteKey(ClaimKey(m->pair));
+  }
+  for (const auto& pair : pairs) store_->DeleteKey(ClaimKey(pair));  // (read before it died)
+  store_->DeleteKey(HeartbeatKey(consumer));
+  store_->DeleteKey(IdentityKey(consumer));
+}
+
+bool Session::ConsumerGoneHere(const std::string& consumer) {
+  std::optional<shm::ProcessId> process;
+  bool known;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = consumer_processes_.find(consumer);
+    known = it != consumer_processes_.end();
+    if (known) process = it->second;
+  }
+  if (!known) {
+    // (compare_set with one value as both reads without waiting: a get would wait for a missing
+    // key. A consumer that wrote none, or exited and deleted it, is not found gone here.)
+    const std::string missing = "-";
+    const std::string text = store_->CompareSet(IdentityKey(consumer), missing, missing);
+    process = text == missing ? std::nullopt : LocalProcessOf(text);
+    std::lock_guard<std::mutex> lock(mu_);
+    consumer_processes_[consumer] = process;
+  }
+  return process && !shm::IsAlive(*process);
 }
 
 void Session::Stop() noexcept {
@@ -1316,19 +1446,32 @@ void Session::Stop() noexcept {
     c->state().TryComplete(Result<NetworkValue>::Error(
         FutureErrc::kDroppedAtExit, "the process exits with the value still in flight"));
   }
-  if (broken_) return;
+  if (broken()) return;
+  RunDeferred();
+  // First what is this process's own to delete: a clean-up for others that fails or runs past
+  // the exit's deadline must not leave it.
+  bool sent = false;
   try {
-    bool wake;
+    bool wake, identity_written;
     std::vector<Cleanup> cleanups;
     {
       std::lock_guard<std::mutex> lock(mu_);
       cleanups.swap(cleanups_);
-      wake = watcher_blocked_;  // (a wake deferred to a tick that will not run: sent now)
+      // (A wake deferred to a tick that will not run: sent now, unless RunDeferred sent it.)
+      wake = watcher_blocked_ && !wake_pending_;
+      identity_written = identity_written_;
+      sent = !sent_.empty();
     }
     for (auto& c : consumers) cleanups.push_back({c->handle().pair, true});
     DeleteCleanups(cleanups);
     store_->DeleteKey(HeartbeatKey(id_));  // others see "exited", not "died"
+    if (identity_written) store_->DeleteKey(IdentityKey(id_));
     if (wake) store_->QueuePush(QueueKey(id_), std::string(1, kWake));
+  } catch (...) {
+  }
+  // What this process sent consumers that are gone (one on this kernel: at once) goes with it.
+  try {
+    if (sent) CleanUpForConsumers();
   } catch (...) {
   }
 }
@@ -1641,6 +1784,13 @@ void ProducerImpl::PublishValue(const std::string& header, std::string payload) 
       session_->store().QueuePush(QueueKey(handle_.consumer),
                                   EncodeValue(handle_.pair, session_->id(), v, payload));
     } else {
+      if (handle_.consumer != session_->id() && session_->ConsumerGoneHere(handle_.consumer)) {
+        // Nobody will read it: no chunk is written, and what the consumer left goes (the claim
+        // among it). (Asked for chunked values only: one round trip at most, beside megabytes.)
+        session_->DeleteWhatADeadConsumerLeft(handle_.consumer, {handle_.pair});
+        published_ = true;
+        return;
+      }
       v.chunks = static_cast<uint32_t>((payload.size() + kChunkBytes - 1) / kChunkBytes);
       for (uint32_t i = 0; i < v.chunks; ++i) {
         const size_t start = size_t{i} * kChunkBytes;
@@ -1860,16 +2010,35 @@ std::shared_ptr<NetworkProducer> NetworkProducer::Attach(const NetworkHandle& ha
 }
 
 void MarkNetworkProducersExiting() noexcept {
-  std::vector<std::shared_ptr<ProducerImpl>> attachments;
+  std::vector<std::shared_ptr<Session>> sessions;
   try {
-    std::lock_guard<std::mutex> lock(attachments_mu);
-    for (auto& [key, weak] : Attachments()) {
-      if (auto attachment = weak.lock()) attachments.push_back(std::move(attachment));
-    }
+    Registry& reg = Current();
+    std::lock_guard<std::mutex> lock(reg.mu);
+    for (auto& [address, session] : reg.sessions) sessions.push_back(session);
   } catch (...) {
     return;
   }
-  for (auto& attachment : attachments) attachment->Exiting();
+  // What waits for a tick (attach messages not sent yet, handles dropped since the last round:
+  // "dropped", not "died"), first, so that an exiting message follows an attach.
+  const auto run_deferred = [&] {
+    for (auto& s : sessions) {
+      if (!s->broken()) s->RunDeferred();
+    }
+  };
+  run_deferred();
+  {
+    std::vector<std::shared_ptr<ProducerImpl>> attachments;
+    try {
+      std::lock_guard<std::mutex> lock(attachments_mu);
+      for (auto& [key, weak] : Attachments()) {
+        if (auto attachment = weak.lock()) attachments.push_back(std::move(attachment));
+      }
+    } catch (...) {
+      return;
+    }
+    for (auto& attachment : attachments) attachment->Exiting();
+  }  // (the last reference to one may go here: its drop message waits for a tick)
+  run_deferred();
 }
 
 namespace {
@@ -1957,6 +2126,13 @@ void SetNetworkHeartbeatTimeoutMs(int64_t ms) {
 }
 
 int64_t NetworkHeartbeatTimeoutMs() { return heartbeat_timeout_ms.load(); }
+
+void SetNetworkStoreTimeoutMs(int64_t ms) {
+  if (ms < 100) throw std::invalid_argument("the network store timeout must be >= 100 ms");
+  store_timeout_ms = std::min(ms, kMaxTimeoutMs);
+}
+
+int64_t NetworkStoreTimeoutMs() { return store_timeout_ms.load(); }
 
 size_t PendingNetworkPairs() {
   Registry& reg = Current();

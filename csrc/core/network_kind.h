@@ -9,6 +9,9 @@
 // (an IPv6 host in brackets). Every key of the kind starts with "dtorch/n/":
 //   q/<consumer>   the consumer's queue: producers push their messages to it (attach, drop, value)
 //   hb/<process>   a process's heartbeat, a counter it bumps while it has pairs in flight
+//   id/<process>   a consumer's identity ("<uid>:<pid>:<start time>:<pid namespace>:<boot
+//                  id>"), written with its first pair: a producer of its user on its kernel
+//                  checks it by pid
 //   c/<pair>       the claim, while the pair lives: first the pair's record (its serialized
 //                  promise, written by the consumer as it creates the pair), then a producer's
 //                  claim ("<store id>/<16 hex digits naming its attachment>": compare_set from the
@@ -63,9 +66,14 @@
 // once the pair is gone (its future and promise dropped; a second producer is refused until
 // then); at exit, those of its pairs in flight and its heartbeat. A producer keeps what it sent
 // a consumer until that consumer's queue is empty (read); if the consumer died first, the
-// producer drains that queue and deletes the keys its messages name and its heartbeat. (What a
+// producer drains that queue and deletes the keys its messages name, its heartbeat and its
+// identity: a consumer on the producer's kernel is found dead by pid (no chunk of a value is
+// written for it; at the producer's exit at the latest), one elsewhere by its heartbeat. (What a
 // killed consumer leaves of pairs no producer attached to stays.) A queue the store holds no item
 // of is no key at all.
+//
+// Bounds. Every exchange with the store has a deadline, NetworkStoreTimeoutMs(): a store that
+// stops answering breaks the session (its pairs fail, its blocked calls give up) within it.
 //
 // Security: none of the store's (it has no authentication, and listens on every interface):
 // run it on a trusted network. Everything read from it is checked.
@@ -128,7 +136,19 @@ class KeyValueStore {
   // The oldest item, or nullopt when the queue is empty.
   virtual std::optional<std::string> QueuePopNow(const std::string& key) = 0;
   virtual int64_t QueueLength(const std::string& key) = 0;
+  // Gives the connection up: a call blocked in it, and every later one, throws
+  // StoreError(kUnreachable). Callable from any thread, also during a call.
+  virtual void Abort() noexcept {}
+  // Whether a call failed in a way that left the connection unusable (every later call throws).
+  virtual bool Broken() const noexcept { return false; }
 };
+
+// The bound of every exchange with a store (config.network_store_timeout_s): a store that does
+// not answer within it is unreachable (a frozen server, a partition). Waits for a key have their
+// own timeout.
+inline constexpr int64_t kDefaultNetworkStoreTimeoutMs = 30000;
+void SetNetworkStoreTimeoutMs(int64_t ms);  // throws std::invalid_argument when < 100 ms
+int64_t NetworkStoreTimeoutMs();
 
 // Opens a connection to the store at host:port (torch glue). Throws StoreError: kUnreachable at
 // once where nothing listens there or the host does not resolve.

@@ -244,6 +244,16 @@ std::unique_ptr<Segment> Segment::Open(const std::string& name, size_t expected_
       throw FutureError(FutureErrc::kInvalidHandle,
                         "/dev/shm/" + name + " belongs to another user; refusing to use it");
     }
+    switch (e.get_native_error()) {
+      // A directory, a symbolic link (shm_open does not follow one), a device or a FIFO under
+      // our name form: a forged handle, not a failure of the system's.
+      case EISDIR: case ELOOP: case ENOTDIR: case ENXIO: case ENODEV: case EINVAL:
+        throw FutureError(FutureErrc::kInvalidHandle,
+                          "/dev/shm/" + name + " is not a shared memory segment (" +
+                              std::strerror(e.get_native_error()) + "); refusing to use it");
+      default:
+        break;
+    }
     throw ShmError("opening shared memory segment /dev/shm/" + name, e.get_native_error());
   }
   struct stat info {};

@@ -187,6 +187,8 @@ void SetAttachTimeoutMs(int64_t ms) { core::SetAttachTimeoutMs(ms); }
 int64_t AttachTimeoutMs() { return core::AttachTimeoutMs(); }
 void SetNetworkHeartbeatTimeoutMs(int64_t ms) { core::SetNetworkHeartbeatTimeoutMs(ms); }
 int64_t NetworkHeartbeatTimeoutMs() { return core::NetworkHeartbeatTimeoutMs(); }
+void SetNetworkStoreTimeoutMs(int64_t ms) { core::SetNetworkStoreTimeoutMs(ms); }
+int64_t NetworkStoreTimeoutMs() { return core::NetworkStoreTimeoutMs(); }
 size_t PendingNetworkPairs() { return core::PendingNetworkPairs(); }
 void SetPayloadIdleMs(int64_t ms) { core::payload::SetIdleMs(ms); }
 int64_t PayloadIdleMs() { return core::payload::IdleMs(); }

@@ -202,6 +202,8 @@ DTORCH_INTERNAL_API void SetAttachTimeoutMs(int64_t ms);
 DTORCH_INTERNAL_API int64_t AttachTimeoutMs();
 DTORCH_INTERNAL_API void SetNetworkHeartbeatTimeoutMs(int64_t ms);
 DTORCH_INTERNAL_API int64_t NetworkHeartbeatTimeoutMs();
+DTORCH_INTERNAL_API void SetNetworkStoreTimeoutMs(int64_t ms);
+DTORCH_INTERNAL_API int64_t NetworkStoreTimeoutMs();
 DTORCH_INTERNAL_API void SetPayloadIdleMs(int64_t ms);
 DTORCH_INTERNAL_API int64_t PayloadIdleMs();
 DTORCH_INTERNAL_API void SetExitTimeoutMs(int64_t ms);

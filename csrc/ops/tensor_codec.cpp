@@ -177,23 +177,24 @@ std::string_view TensorCodec::Options() const {
 }
 
 void TensorCodec::CheckValue(const at::Tensor& value) const {
-  TORCH_CHECK_VALUE(value.defined(), "dtorch: a file promise needs a defined tensor");
+  // (One codec for the file and the network kinds: the messages name neither.)
+  TORCH_CHECK_VALUE(value.defined(), "dtorch: a cross-process promise needs a defined tensor");
   const auto device = value.device();
-  TORCH_CHECK(!device.is_meta(), "dtorch: a file promise carries values, and a meta tensor has "
-              "none: pass a tensor on the CPU or a device");
-  TORCH_CHECK(device.is_cpu() || c10::impl::hasDeviceGuardImpl(device.type()), "dtorch: a file "
-              "promise cannot copy a tensor on ", device, " (its backend has no device guard "
-              "with streams and events): pass t.cpu()");
-  TORCH_CHECK(value.layout() == c10::kStrided && !value.is_nested(), "dtorch: a file promise "
-              "carries strided (dense) tensors; got layout ", value.layout(),
+  TORCH_CHECK(!device.is_meta(), "dtorch: a cross-process promise carries values, and a meta "
+              "tensor has none: pass a tensor on the CPU or a device");
+  TORCH_CHECK(device.is_cpu() || c10::impl::hasDeviceGuardImpl(device.type()), "dtorch: a "
+              "cross-process promise cannot copy a tensor on ", device, " (its backend has no "
+              "device guard with streams and events): pass t.cpu()");
+  TORCH_CHECK(value.layout() == c10::kStrided && !value.is_nested(), "dtorch: a cross-process "
+              "promise carries strided (dense) tensors; got layout ", value.layout(),
               value.is_nested() ? " (nested)" : "", ": convert it first (e.g. t.to_dense())");
-  TORCH_CHECK(WireCode(value.scalar_type()) >= 0, "dtorch: a file promise cannot carry dtype ",
-              value.scalar_type(), " (quantized and bit-packed dtypes are not supported): "
-              "convert it first (e.g. t.dequantize())");
-  TORCH_CHECK(value.dim() <= kMaxDims, "dtorch: a file promise carries tensors of at most ",
-              kMaxDims, " dimensions, got ", value.dim());
-  TORCH_CHECK_TYPE(!value.key_set().has(c10::DispatchKey::Python), "dtorch: a file promise "
-                   "carries plain tensors; got a tensor subclass with its own "
+  TORCH_CHECK(WireCode(value.scalar_type()) >= 0, "dtorch: a cross-process promise cannot carry "
+              "dtype ", value.scalar_type(), " (quantized and bit-packed dtypes are not "
+              "supported): convert it first (e.g. t.dequantize())");
+  TORCH_CHECK(value.dim() <= kMaxDims, "dtorch: a cross-process promise carries tensors of at "
+              "most ", kMaxDims, " dimensions, got ", value.dim());
+  TORCH_CHECK_TYPE(!value.key_set().has(c10::DispatchKey::Python), "dtorch: a cross-process "
+                   "promise carries plain tensors; got a tensor subclass with its own "
                    "__torch_dispatch__: pass the plain tensor(s) it holds");
   TORCH_CHECK(delivery_ != Delivery::kZeroCopy || device.is_cpu() ||
                   FindDeviceIpc(device.type()) != nullptr,

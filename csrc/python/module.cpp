@@ -907,6 +907,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("attach_timeout_ms", &internal::AttachTimeoutMs);
   m.def("set_network_heartbeat_timeout_ms", &internal::SetNetworkHeartbeatTimeoutMs);
   m.def("network_heartbeat_timeout_ms", &internal::NetworkHeartbeatTimeoutMs);
+  m.def("set_network_store_timeout_ms", &internal::SetNetworkStoreTimeoutMs);
+  m.def("network_store_timeout_ms", &internal::NetworkStoreTimeoutMs);
   m.def("set_payload_idle_ms", &internal::SetPayloadIdleMs);
   m.def("payload_idle_ms", &internal::PayloadIdleMs);
   m.def("set_exit_timeout_ms", &internal::SetExitTimeoutMs);
