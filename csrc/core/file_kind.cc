@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -193,14 +194,21 @@ std::string UnlinkNamedPayload(const FileControlBlock* block) {
 // dropped and every name a dead process of this user left in /dev/shm is unlinked (the pairs'
 // control segments, payloads it never received), rather than at the next sweep or import. Once
 // per dead consumer (its other pairs' sets find nothing new of it): a scan of /dev/shm.
+// The dead consumers released already. (Leaked, so that a producer thread still setting during
+// the exit finds them; made anew in a forked child, where another thread may have held mu.)
+struct ReleasedConsumers {
+  std::mutex mu;
+  std::set<std::pair<int32_t, uint64_t>> released;  // guarded by mu: (pid, start time)
+};
+std::atomic<ReleasedConsumers*> released_consumers{new ReleasedConsumers()};
+
 void ReleaseWhatDeadConsumersLeft(const std::optional<shm::ProcessId>& consumer) noexcept {
   if (consumer) {
-    static std::mutex mu;
-    static std::set<std::pair<int32_t, uint64_t>> released;  // guarded by mu
+    ReleasedConsumers& r = *released_consumers.load();
     try {
-      std::lock_guard<std::mutex> lock(mu);
-      if (!released.emplace(consumer->pid, consumer->start_time).second) return;
-      if (released.size() > 4096) released.clear();  // (bounded; a repeat only scans again)
+      std::lock_guard<std::mutex> lock(r.mu);
+      if (!r.released.emplace(consumer->pid, consumer->start_time).second) return;
+      if (r.released.size() > 4096) r.released.clear();  // (bounded; a repeat only scans again)
     } catch (...) {
     }
   }
@@ -1528,6 +1536,10 @@ void AfterForkFileKindInChild() noexcept {
   // The parent's state (its watcher, its doorbell, its consumers, its payload segments) stays
   // the parent's.
   payload::AfterForkInChild();
+  try {
+    released_consumers.store(new ReleasedConsumers());  // (the parent's leaked)
+  } catch (...) {
+  }
   ProcessState* parents = process_state;
   process_state = new ProcessState();
   // Unmapped here: nothing in the child uses them. (The old state is leaked: its mutex is held,

@@ -180,7 +180,8 @@ bool IsHostText(std::string_view s) {
 
 // This kernel's boot id, without dashes ("" when it cannot be read).
 const std::string& BootId() {
-  static const std::string id = [] {
+  // (Leaked: read by the exit's store thread, which may outlive static destruction.)
+  static const std::string& id = *new std::string([] {
     std::ifstream in("/proc/sys/kernel/random/boot_id");
     std::string text, hex;
     std::getline(in, text);
@@ -188,17 +189,17 @@ const std::string& BootId() {
       if (c != '-') hex += static_cast<char>(c >= 'A' && c <= 'F' ? c - 'A' + 'a' : c);
     }
     return hex.size() == 32 && IsHex(hex) ? hex : std::string();
-  }();
+  }());
   return id;
 }
 
 const std::string& HostName() {
-  static const std::string name = [] {
+  static const std::string& name = *new std::string([] {  // (leaked: as BootId)
     char buffer[256] = {};
     if (gethostname(buffer, sizeof(buffer) - 1) != 0) return std::string();
     std::string host(buffer, strnlen(buffer, kMaxHostBytes));
     return IsHostText(host) ? host : std::string();
-  }();
+  }());
   return name;
 }
 
@@ -259,7 +260,8 @@ std::optional<shm::ProcessId> LocalProcessOf(std::string_view text) {
   }
   const std::string_view boot_id = text.substr(pos);
   if (fields[0] != geteuid() || fields[1] == 0 || fields[1] > INT32_MAX || boot_id.size() != 32 ||
-      !IsHex(boot_id) || boot_id != BootId() || fields[3] != ThisPidNamespace()) {
+      !IsHex(boot_id) || boot_id != BootId() || fields[3] == 0 ||
+      fields[3] != ThisPidNamespace()) {
     return std::nullopt;
   }
   return shm::ProcessId{static_cast<int32_t>(fields[1]), fields[2], fields[3]};
@@ -507,8 +509,16 @@ class Session : public std::enable_shared_from_this<Session> {
   // Runs `work` on the tick thread, at its next round (a producer's attach message: not on the
   // path of a value set at once, which tells the consumer all the attach message would).
   void AtNextTick(std::function<void()> work) {
-    std::lock_guard<std::mutex> lock(mu_);
-    next_tick_.push_back(std::move(work));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // (A broken session is ticked by nobody: what `work` holds, the session itself among it,
+      // goes now, outside mu_.)
+      if (!broken_) {
+        next_tick_.push_back(std::move(work));
+        return;
+      }
+    }
+    work = nullptr;
   }
   // Runs now what waits for the next round: the process exits, and that round may never come
   // (a handle dropped just before the exit tells its consumer, which would otherwise find this
@@ -597,6 +607,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // guarded by mu_: as a producer, the consumers' processes on this kernel, by store id (nullopt:
   // elsewhere, or no identity)
   std::map<std::string, std::optional<shm::ProcessId>> consumer_processes_;
+  std::mutex cleanup_mu_;          // held by CleanUpForConsumers (not with mu_)
   bool identity_tried_ = false;    // guarded by mu_: as a consumer
   bool identity_written_ = false;  // guarded by mu_: as a consumer
   int64_t producers_ = 0;  // guarded by mu_: announced NetworkProducers of this process here
@@ -851,14 +862,25 @@ void EnsureTicking() {
 
 std::shared_ptr<Session> SessionFor(const StoreAddress& address) {
   Registry& reg = Current();
+  // A session whose connection was lost (a call that timed out on any thread) breaks before it
+  // is replaced: its pairs fail now rather than waiting on a session nothing ticks. (Outside
+  // reg.mu: Break unregisters.)
+  const auto break_lost = [](const std::shared_ptr<Session>& lost) {
+    if (lost) lost->Break("its connection to the store was lost");
+  };
+  std::shared_ptr<Session> lost;
   {
     std::lock_guard<std::mutex> lock(reg.mu);
     if (reg.stopped) {
       throw FutureError(FutureErrc::kDroppedAtExit, "the library is shutting down");
     }
     auto it = reg.sessions.find(address);
-    if (it != reg.sessions.end() && !it->second->broken()) return it->second;
+    if (it != reg.sessions.end()) {
+      if (!it->second->broken()) return it->second;
+      lost = it->second;
+    }
   }
+  break_lost(lost);
   std::unique_ptr<KeyValueStore> connection;
   try {
     connection = Connect(address, kConnectTimeout);
@@ -866,10 +888,18 @@ std::shared_ptr<Session> SessionFor(const StoreAddress& address) {
     throw Unreachable(address, e);
   }
   auto session = std::make_shared<Session>(address, std::move(connection));
-  std::lock_guard<std::mutex> lock(reg.mu);
-  auto& slot = reg.sessions[address];
-  if (!slot || slot->broken()) slot = session;  // (else another thread connected first)
-  return slot;
+  std::shared_ptr<Session> chosen;
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto& slot = reg.sessions[address];
+    if (!slot || slot->broken()) {
+      lost = std::move(slot);
+      slot = session;
+    }
+    chosen = slot;  // (else another thread connected first)
+  }
+  break_lost(lost);
+  return chosen;
 }
 
 void Unregister(const Session* session) {
@@ -1356,6 +1386,9 @@ void Session::CheckProducers(Clock::time_point now) {
 }
 
 void Session::CleanUpForConsumers() {
+  // (One at a time: the exit's and a tick round in progress would each forget what the other
+  // read.)
+  std::lock_guard<std::mutex> one_at_a_time(cleanup_mu_);
   std::map<std::string, std::vector<SentPair>> sent;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1416,6 +1449,8 @@ void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
   for (const auto& pair : pairs) store_->DeleteKey(ClaimKey(pair));  // (read before it died)
   store_->DeleteKey(HeartbeatKey(consumer));
   store_->DeleteKey(IdentityKey(consumer));
+  std::lock_guard<std::mutex> lock(mu_);
+  consumer_processes_.erase(consumer);
 }
 
 bool Session::ConsumerGoneHere(const std::string& consumer) {
@@ -1705,11 +1740,12 @@ void ProducerImpl::Announce(bool deserialized) noexcept {
 
 void ProducerImpl::Exiting() noexcept {
   std::lock_guard<std::mutex> lock(mu_);
-  if (standing_ != Standing::kAnnounced || published_ || ForkGeneration() != generation_ ||
-      session_->broken()) {
-    return;
-  }
+  if (published_ || ForkGeneration() != generation_ || session_->broken()) return;
   try {
+    // (An attach still waiting for the tick goes first, here: whichever thread would have sent
+    // it, the exiting message must come after it.)
+    if (standing_ == Standing::kPending) AnnounceLocked(false);
+    if (standing_ != Standing::kAnnounced) return;
     SendLocked(EncodeHead(kExiting, handle_.pair, session_->id()));
   } catch (...) {
   }
