@@ -190,10 +190,6 @@ std::string UnlinkNamedPayload(const FileControlBlock* block) {
   return name;
 }
 
-// A producer found `consumer` dead: the segments this process keeps for dead consumers are
-// dropped and every name a dead process of this user left in /dev/shm is unlinked (the pairs'
-// control segments, payloads it never received), rather than at the next sweep or import. Once
-// per dead consumer (its other pairs' sets find nothing new of it): a scan of /dev/shm.
 // The dead consumers released already. (Leaked, so that a producer thread still setting during
 // the exit finds them; made anew in a forked child, where another thread may have held mu.)
 struct ReleasedConsumers {
@@ -202,6 +198,11 @@ struct ReleasedConsumers {
 };
 std::atomic<ReleasedConsumers*> released_consumers{new ReleasedConsumers()};
 
+// A producer found `consumer` dead (nullopt: at its exit): the segments this process keeps for
+// dead consumers are dropped and every name a dead process of this user left in /dev/shm is
+// unlinked (the pairs' control segments, payloads it never received), rather than at the next
+// sweep or import. Once per dead consumer (its other pairs' sets find nothing new of it): a scan
+// of /dev/shm.
 void ReleaseWhatDeadConsumersLeft(const std::optional<shm::ProcessId>& consumer) noexcept {
   if (consumer) {
     ReleasedConsumers& r = *released_consumers.load();
