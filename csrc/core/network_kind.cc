@@ -93,6 +93,14 @@ std::string ChunkKey(const std::string& pair, uint32_t i) {
   return kKeyPrefix + std::string("v/") + pair + "/" + std::to_string(i);
 }
 
+// Deletes chunks 0, 1, ... of `pair`'s value up to the first one missing, at most `chunks`: a
+// genuine producer writes them in order before its message, so a count read from the store (a
+// forged message may claim 2^32 - 1) costs at most the keys that exist. Throws StoreError.
+void DeleteChunks(KeyValueStore& store, const std::string& pair, uint32_t chunks) {
+  for (uint32_t i = 0; i < chunks && store.DeleteKey(ChunkKey(pair, i)); ++i) {
+  }
+}
+
 std::unique_ptr<KeyValueStore> Connect(const StoreAddress& address, milliseconds timeout) {
   const StoreConnector connector = store_connector.load();
   if (connector == nullptr) {
@@ -1133,7 +1141,7 @@ void Session::Handle(KeyValueStore& connection, const Message& m) {
     return;
   }
   if (!consumer) {  // a pair nobody waits for any more: its keys go
-    for (uint32_t i = 0; i < m.value.chunks; ++i) connection.DeleteKey(ChunkKey(m.pair, i));
+    DeleteChunks(connection, m.pair, m.value.chunks);
     connection.DeleteKey(ClaimKey(m.pair));
     return;
   }
@@ -1199,7 +1207,7 @@ void Session::Receive(KeyValueStore& connection, const Message& m,
                                         " is corrupt: " + problem));
   }
   // (The claim stays while the pair does: a second producer is told it came second.)
-  for (uint32_t i = 0; i < v.chunks; ++i) connection.DeleteKey(ChunkKey(m.pair, i));
+  DeleteChunks(connection, m.pair, v.chunks);
 }
 
 void Session::Break(const std::string& why) {
@@ -1233,8 +1241,7 @@ void Session::DeleteCleanups(std::vector<Cleanup>& cleanups) {
     if (c.chunks_maybe_left) {
       // A producer that claimed and then died (or was not read) may have left some: written in
       // order, so they go up to the first one missing.
-      for (uint32_t i = 0; store_->DeleteKey(ChunkKey(c.pair, i)); ++i) {
-      }
+      DeleteChunks(*store_, c.pair, std::numeric_limits<uint32_t>::max());
     }
     cleanups.pop_back();
   }
@@ -1441,9 +1448,7 @@ void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
   while (auto bytes = store_->QueuePopNow(QueueKey(consumer))) {
     const std::optional<Message> m = Decode(*bytes);
     if (!m || m->type == kWake) continue;
-    for (uint32_t i = 0; m->type == kValue && i < m->value.chunks; ++i) {
-      store_->DeleteKey(ChunkKey(m->pair, i));
-    }
+    if (m->type == kValue) DeleteChunks(*store_, m->pair, m->value.chunks);
     store_->DeleteKey(ClaimKey(m->pair));
   }
   for (const auto& pair : pairs) store_->DeleteKey(ClaimKey(pair));  // (read before it died)
