@@ -13,7 +13,7 @@ import torch
 
 import dtorch_ops
 import file_device_workers as workers
-from conftest import WAIT_MS, cuda_only
+from conftest import WAIT_MS, cuda_only, wait_until
 from producer_process import ProducerProcess
 
 
@@ -22,15 +22,6 @@ def producer():
     process = ProducerProcess(mp.get_context("spawn"))
     yield process
     process.close()
-
-
-def wait_until(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_device_value_crosses_processes_as_of_the_call(gpu, producer):
@@ -65,7 +56,7 @@ def test_default_copy_survives_a_producer_sigkill_and_frees_the_block():
         got = future.wait(WAIT_MS)  # a copy in this process's memory
         # The producer frees its block once the consumer copied it (its pool notices within
         # 250 ms).
-        assert wait_until(lambda: process.call(workers.cuda_allocated) <= baseline)
+        assert wait_until(lambda: process.call(workers.cuda_allocated) <= baseline, 10.0)
         process.requests.put((999, workers.die, ()))
         process.process.join(30)
         assert torch.equal(got.cpu(), values)  # ours, unaffected by the producer's death
@@ -85,7 +76,7 @@ def test_zero_copy_gives_the_ipc_view_and_the_block_lives_until_it_goes(producer
     time.sleep(0.6)
     assert producer.call(workers.cuda_allocated) > baseline  # held while the view lives
     del view, future
-    assert wait_until(lambda: producer.call(workers.cuda_allocated) <= baseline)
+    assert wait_until(lambda: producer.call(workers.cuda_allocated) <= baseline, 10.0)
 
 
 @cuda_only("CUDA IPC")
@@ -105,7 +96,7 @@ def test_a_dead_consumer_releases_the_producers_block():
         assert torch.cuda.memory_allocated() > baseline  # the consumer's view holds our block
         consumer.requests.put((999, workers.die, ()))
         consumer.process.join(30)
-        assert wait_until(lambda: torch.cuda.memory_allocated() <= baseline)
+        assert wait_until(lambda: torch.cuda.memory_allocated() <= baseline, 10.0)
     finally:
         consumer.close()
 
