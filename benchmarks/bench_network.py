@@ -36,6 +36,7 @@ import datetime
 import gc
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -44,7 +45,10 @@ import torch.multiprocessing as tmp
 
 import dtorch_ops
 from bench_file import _die_with_parent, _p90, _recv
-from common import Anchor, Figure, Report
+from common import Anchor, Figure, Report, Target
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import forged_messages  # noqa: E402  (the wire format as a forger writes it; shared with the tests)
 
 SECTION = "Network kind across processes (store path, loopback)"
 OURS = "network kind (store path), wait()"  # our series in both figures (and the plot)
@@ -192,9 +196,11 @@ _OWN_ID = [None]  # this process's store id, once it made a network pair
 _SERVERS = []  # the stores this process hosted for the kind, kept up until the interpreter exits
 
 
-def _batch(producer, store, how, nbytes, count):
+def _batch(producer, store, how, nbytes, count, before_go=None, flood=0):
     """count one-way times (ns) of values of nbytes, and the ns the producer spent sending each;
-    how: network, set, queue or gloo."""
+    how: network, set, queue or gloo. before_go(consumer, pair ids): called before each "go"
+    (network); flood: junk messages a forger process pushes to the consumer's queue meanwhile,
+    evenly over the batch (network)."""
     global _batches
     _batches += 1
     prefix = f"bench/{how}/{_batches}"
@@ -204,12 +210,24 @@ def _batch(producer, store, how, nbytes, count):
         futures = [p.get_future() for p in promises]
         serialized = [p.serialize() for p in promises]
         _OWN_ID[0] = serialized[0].split(":")[6]  # this process's store id (see _beat_from_...)
+        pair_ids = [s.split(":")[7] for s in serialized]
         producer.ship(serialized)  # ahead of the timing
+    forger = None
+    if flood:
+        started = tmp.get_context("spawn").Event()
+        forger = tmp.get_context("spawn").Process(
+            target=forged_messages.flood, daemon=True,
+            args=(store.port, _OWN_ID[0], pair_ids, flood, count * 0.003, started))
+        forger.start()
+        if not started.wait(WAIT_S):
+            raise RuntimeError("the forger did not start")
     buffer = torch.empty(nbytes, dtype=torch.uint8) if how == "gloo" else None
     chunks = len(_chunks(nbytes))
     received = []  # the consumer's stamps
     producer.start(how, nbytes, count, prefix)
     for i in range(count):
+        if before_go is not None:
+            before_go(_OWN_ID[0], pair_ids)
         producer.go()
         if how == "network":
             value = futures[i].wait(int(WAIT_S * 1000))  # the tensor, built
@@ -227,6 +245,11 @@ def _batch(producer, store, how, nbytes, count):
                 store.delete_key(f"{prefix}/{i}/{c}")
         del value  # dropped before the next value
     calls, sent = producer.done()
+    if forger is not None:
+        forger.join(WAIT_S)
+        if forger.is_alive():
+            forger.kill()
+            forger.join(5)
     del promises
     times = [t1 - t0 for t0, t1 in zip(sent, received)]
     if min(times) <= 0:
@@ -265,7 +288,68 @@ def latency(report, producer, store, rounds, samples):
                            for how in CASES}}
 
 
-# ---- 2: bandwidth ----
+# ---- 2: 4 KiB one-way beside forged messages ----
+
+HOSTILE = {"quiet": "network kind, nothing forged (anchor: the same run)",
+           "bad": "behind a forged message naming 2^32 - 1 chunks",
+           "flood": "during a flood of junk messages from a forger process"}
+
+
+def hostile(report, producer, store, rounds, samples, flood):
+    """Issue 31: other pairs' values arrive on time (<= 2x their normal latency) while a bad
+    message is handled. "bad": just before each "go" this process pushes, to its own queue, a
+    value message for one of its pairs in flight naming 2^32 - 1 chunks (the pair it names fails;
+    the next value is timed); "flood": a forger process pushes `flood` junk messages of every kind
+    (tests/forged_messages.py) over the batch's span."""
+    victims = []
+
+    def push_bad(consumer, pair_ids):
+        promise = dtorch_ops.TensorPromise(kind="network", store=store)
+        victims.append((promise, promise.get_future()))
+        victim = promise.serialize().split(":")[7]
+        store.queue_push(forged_messages.queue_key(consumer), forged_messages.value(
+            victim, forged_messages.hex_id(), forged_messages.MAX_U32 * forged_messages.CHUNK_BYTES,
+            forged_messages.MAX_U32,
+            forged_messages.tensor_header([forged_messages.MAX_U32 * forged_messages.CHUNK_BYTES // 4])))
+
+    times = {case: [] for case in HOSTILE}
+    for _ in range(rounds):  # interleaved
+        for case in HOSTILE:
+            got, _ = _batch(producer, store, "network", LATENCY_BYTES, samples,
+                            before_go=push_bad if case == "bad" else None,
+                            flood=flood if case == "flood" else 0)
+            times[case] += [t / 1000 for t in got]
+    failed = 0
+    for _, future in victims:  # every forged message failed its own pair (bounded wait)
+        try:
+            future.wait(int(WAIT_S * 1000))
+        except dtorch_ops.errors.InvalidHandleError:
+            failed += 1
+    if failed != len(victims):
+        raise RuntimeError(f"{len(victims) - failed} of {len(victims)} pairs named by a forged "
+                           "message did not fail")
+    victims.clear()
+    med = {case: statistics.median(v) for case, v in times.items()}
+    p90 = {case: _p90(v) for case, v in times.items()}
+    print(f"\nnetwork kind: 4 KiB one-way beside forged messages (us; {rounds} interleaved rounds "
+          f"x {samples} values; flood: {flood} junk messages per batch)")
+    for case, label in HOSTILE.items():
+        print(f"  {label:>58}: median {med[case]:8.1f} us   p90 {p90[case]:8.1f} us   "
+              f"({med[case] / med['quiet']:.2f}x quiet)")
+    bound = Target("<=", 2.0, 31)
+    report.add(Figure(SECTION, "4 KiB one-way behind a forged message naming 2^32 - 1 chunks",
+                      "us", HOSTILE["bad"], times["bad"],
+                      [Anchor(HOSTILE["quiet"], times["quiet"], target=bound)],
+                      size_bytes=LATENCY_BYTES))
+    report.add(Figure(SECTION, f"4 KiB one-way during a flood of {flood} junk messages", "us",
+                      HOSTILE["flood"], times["flood"],
+                      [Anchor(HOSTILE["quiet"], times["quiet"], target=bound)],
+                      size_bytes=LATENCY_BYTES))
+    return {"hostile_latency_us": {case: {"median": med[case], "p90": p90[case]}
+                                   for case in HOSTILE}}
+
+
+# ---- 3: bandwidth ----
 
 
 def bandwidth(report, producer, store, mib, repeats):
@@ -321,6 +405,7 @@ def main(report, rounds=5, samples=100, mib=64, repeats=7):
     producer = _Producer(store.port, gloo_store)
     try:
         result.update(latency(report, producer, store, rounds, samples))
+        result.update(hostile(report, producer, store, rounds, samples, flood=100 * samples))
         result.update(bandwidth(report, producer, store, mib, repeats))
     finally:
         producer.close()

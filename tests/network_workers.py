@@ -236,3 +236,11 @@ def netns_producer_main() -> None:
     handle = sys.stdin.readline().strip()
     dtorch_ops.get_tensor(torch.arange(10.0), dtorch_ops.TensorPromise.from_serialized(handle))
     print("set", flush=True)
+
+
+def set_stamped(promises: list, pace_s: float) -> None:
+    """Sets each promise in turn, `pace_s` apart, to a float64 tensor holding time.monotonic()
+    just before the set (one system-wide clock: the consumer's arrival time compares)."""
+    for promise in promises:
+        time.sleep(pace_s)
+        _promise(promise).set_value(torch.tensor([time.monotonic()], dtype=torch.float64))

@@ -379,6 +379,10 @@ class UnitCodec final : public ValueCodec<Unit> {
     return {};
   }
   void WritePayload(const Unit&, void*, size_t) const override {}
+  size_t PayloadBytes(std::string_view header) const override {
+    if (!header.empty()) throw FutureError(FutureErrc::kInvalidHandle, "a void value with a header");
+    return 0;
+  }
   Unit Read(std::string_view header, void*, size_t payload_bytes,
             std::shared_ptr<void>) const override {
     if (!header.empty() || payload_bytes != 0) {

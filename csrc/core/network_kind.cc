@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <charconv>
 #include <condition_variable>
+#include <deque>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include <set>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "file_kind.h"  // AttachTimeoutMs: one attach deadline for both kinds
@@ -45,6 +47,18 @@ constexpr char kFailedClaim[] = "!";
 // A producer's claim: its store id, "/", and 16 hex digits naming its attachment (so that a later
 // attachment of the same process cannot take a claim of an earlier one for its own).
 constexpr size_t kAttachmentHexDigits = 16;
+// Bounds on what messages read from the store make the consumer do or keep.
+// Store calls in one pipelined batch (deletes, pops: one round trip each).
+constexpr size_t kBatch = 64;
+// The watcher's pops in one batch while a backlog waits (each item may be a 4 MiB value).
+constexpr size_t kPopBatch = 32;
+// Holders one pair tracks (each is watched every tick): a pair that more processes attach to
+// fails (a forged flood of attach messages costs that pair, not the session's tick).
+constexpr size_t kMaxHoldersPerPair = 1024;
+// Pairs dropped here that a value message may still name (a late value, its producer having
+// claimed before the drop; a forged repeat): their keys are deleted for a value message naming
+// no pair in flight, and nothing for one naming a pair never made here.
+constexpr size_t kForgottenPairsKept = size_t{1} << 16;
 
 std::atomic<StoreConnector> store_connector{nullptr};
 std::atomic<int64_t> heartbeat_timeout_ms{kDefaultNetworkHeartbeatTimeoutMs};
@@ -93,12 +107,106 @@ std::string ChunkKey(const std::string& pair, uint32_t i) {
   return kKeyPrefix + std::string("v/") + pair + "/" + std::to_string(i);
 }
 
-// Deletes chunks 0, 1, ... of `pair`'s value up to the first one missing, at most `chunks`: a
-// genuine producer writes them in order before its message, so a count read from the store (a
-// forged message may claim 2^32 - 1) costs at most the keys that exist. Throws StoreError.
-void DeleteChunks(KeyValueStore& store, const std::string& pair, uint32_t chunks) {
-  for (uint32_t i = 0; i < chunks && store.DeleteKey(ChunkKey(pair, i)); ++i) {
+// What of a pair is to be deleted: its claim (when `claim`), and chunks 0, 1, ... of its value
+// up to the first one missing, at most `chunks`: a genuine producer writes them in order before
+// its message, so a count read from the store (a forged message may claim 2^32 - 1) costs at most
+// the keys that exist.
+struct PairKeys {
+  std::string pair;
+  bool claim;
+  uint32_t chunks;
+};
+
+// Deletes what `doomed` names, in pipelined batches of kBatch deletes (a pair's first chunk goes
+// with its claim; the rest in batches while they exist). Throws StoreError; what is left to
+// delete then stays in `doomed`.
+void DeleteKeysOf(KeyValueStore& store, std::vector<PairKeys>& doomed) {
+  struct Next {
+    size_t index;      // in doomed
+    uint32_t chunk;    // the next chunk to try
+  };
+  std::vector<Next> open;  // pairs whose chunks may go on
+  while (!doomed.empty()) {
+    // One batch: claims and first chunks of the pairs at the back, then more chunks of those
+    // that had theirs.
+    std::vector<std::string> keys;
+    std::vector<std::pair<size_t, uint32_t>> chunk_of;  // key -> (doomed index, chunk), or npos
+    const size_t first = doomed.size() - std::min(doomed.size(), kBatch / 2);
+    for (size_t i = first; i < doomed.size(); ++i) {
+      PairKeys& p = doomed[i];
+      if (p.claim) {
+        keys.push_back(ClaimKey(p.pair));
+        chunk_of.emplace_back(std::string::npos, 0);
+      }
+      if (p.chunks > 0) {
+        keys.push_back(ChunkKey(p.pair, 0));
+        chunk_of.emplace_back(i, 0);
+      }
+    }
+    const std::vector<bool> existed = store.DeleteKeys(keys);
+    for (size_t k = 0; k < keys.size(); ++k) {
+      const size_t i = chunk_of[k].first;
+      if (i != std::string::npos && existed[k] && doomed[i].chunks > 1) open.push_back({i, 1});
+    }
+    // The chunks after the first, of the pairs that had one.
+    while (!open.empty()) {
+      keys.clear();
+      std::vector<size_t> owner;  // open index per key
+      for (size_t o = 0; o < open.size() && keys.size() < kBatch; ++o) {
+        const PairKeys& p = doomed[open[o].index];
+        for (uint32_t c = open[o].chunk; c < p.chunks && keys.size() < kBatch; ++c) {
+          keys.push_back(ChunkKey(p.pair, c));
+          owner.push_back(o);
+        }
+      }
+      const std::vector<bool> gone = store.DeleteKeys(keys);
+      std::vector<bool> done(open.size(), false);
+      std::vector<uint32_t> tried(open.size(), 0);
+      for (size_t k = 0; k < keys.size(); ++k) {
+        ++tried[owner[k]];
+        if (!gone[k]) done[owner[k]] = true;  // (the first missing: its last)
+      }
+      std::vector<Next> still;
+      for (size_t o = 0; o < open.size(); ++o) {
+        const uint32_t next = open[o].chunk + tried[o];
+        if (!done[o] && next < doomed[open[o].index].chunks) still.push_back({open[o].index, next});
+      }
+      open.swap(still);
+    }
+    doomed.resize(first);
   }
+}
+
+void DeleteKeysOf(KeyValueStore& store, PairKeys keys) {
+  std::vector<PairKeys> doomed{std::move(keys)};
+  DeleteKeysOf(store, doomed);
+}
+
+// Pops what `queue` holds now, in batches of kPopBatch, and passes each item to `each`: as many
+// items as it held when this began, at most (a sender that goes on pushing does not hold the
+// caller). Throws StoreError.
+void DrainQueue(KeyValueStore& store, const std::string& queue,
+                const std::function<void(const std::string&)>& each) {
+  int64_t left = store.QueueLength(queue);
+  for (int64_t budget = left; left > 0 && budget > 0;) {
+    const auto items = store.QueuePopSome(
+        queue, static_cast<size_t>(std::min<int64_t>(budget, kPopBatch)), false, &left);
+    if (items.empty()) return;
+    budget -= static_cast<int64_t>(items.size());
+    for (const auto& bytes : items) each(bytes);
+  }
+}
+
+// A process's heartbeat counter, 0 when it has none (or what its key holds is no counter:
+// untrusted). Reads without waiting or making the key (compare_set with one value as both: a
+// get waits for a missing key, an add makes it). Throws StoreError.
+int64_t ReadHeartbeat(KeyValueStore& store, const std::string& process) {
+  const std::string missing = "-";
+  const std::string text = store.CompareSet(HeartbeatKey(process), missing, missing);
+  int64_t beat = 0;
+  const auto parsed = std::from_chars(text.data(), text.data() + text.size(), beat);
+  return parsed.ec == std::errc() && parsed.ptr == text.data() + text.size() && beat > 0 ? beat
+                                                                                          : 0;
 }
 
 std::unique_ptr<KeyValueStore> Connect(const StoreAddress& address, milliseconds timeout) {
@@ -561,6 +669,8 @@ class Session : public std::enable_shared_from_this<Session> {
                        uint64_t epoch, std::set<std::string> gone);
   // Heartbeats, liveness and clean-up; on the tick thread. False once it has nothing to do.
   bool Tick();
+  // What DeleteSoon queued, now (the tick thread, between rounds).
+  void DeleteQueued();
   // The store went away: fails every pair in flight here.
   void Break(const std::string& why);
   // At exit: fails the pairs in flight, deletes their keys and this process's heartbeat, wakes
@@ -572,15 +682,20 @@ class Session : public std::enable_shared_from_this<Session> {
     std::string pair;
     uint32_t chunks;
   };
-  struct Cleanup {
-    std::string pair;
-    bool chunks_maybe_left;  // no value message arrived: a producer may have written chunks
-  };
   void StartWatcherLocked();
   void Watch(const std::shared_ptr<KeyValueStore>& connection);
   void Handle(KeyValueStore& connection, const Message& m);
   void Receive(KeyValueStore& connection, const Message& m, const std::shared_ptr<ConsumerImpl>& c);
-  void DeleteCleanups(std::vector<Cleanup>& cleanups);
+  // Deletes `keys` soon, on the tick thread (off the watcher, which delivers the other pairs'
+  // values): at once, between its rounds.
+  void DeleteSoon(PairKeys keys);
+  // A value message names a pair not in flight here: a pair dropped here (kept in forgotten_)
+  // may have a late value's chunks in the store (deleted); one never made here (forged) has
+  // nothing of ours (no store call).
+  void ValueForNoPair(const Message& m);
+  // The holder of a message that names one: a known holder of the pair (kSerialized and
+  // kExiting come only from holders that announced themselves).
+  static bool FromHolder(const ConsumerImpl* consumer, const Message& m);
   void CheckProducers(Clock::time_point now);
   // Watches the claim holders of pairs that know of no producer (one that claimed, then died
   // before it was announced, would otherwise never be watched).
@@ -620,7 +735,10 @@ class Session : public std::enable_shared_from_this<Session> {
   bool identity_written_ = false;  // guarded by mu_: as a consumer
   int64_t producers_ = 0;  // guarded by mu_: announced NetworkProducers of this process here
   std::map<std::string, std::vector<SentPair>> sent_;  // guarded by mu_: by consumer
-  std::vector<Cleanup> cleanups_;                      // guarded by mu_
+  std::vector<PairKeys> cleanups_;                     // guarded by mu_
+  // guarded by mu_: pairs dropped here, oldest first (at most kForgottenPairsKept)
+  std::deque<std::string> forgotten_order_;
+  std::unordered_set<std::string> forgotten_;
   std::vector<std::function<void()>> next_tick_;       // guarded by mu_
   struct QueuedFailure {
     ErrorInfo error;
@@ -639,8 +757,12 @@ class Session : public std::enable_shared_from_this<Session> {
 class ConsumerImpl final : public NetworkConsumer,
                            public std::enable_shared_from_this<ConsumerImpl> {
  public:
-  ConsumerImpl(std::shared_ptr<Session> session, NetworkHandle handle)
-      : session_(std::move(session)), handle_(std::move(handle)), record_(handle_.Serialize()) {}
+  ConsumerImpl(std::shared_ptr<Session> session, NetworkHandle handle,
+               PayloadBytesOf payload_bytes_of)
+      : session_(std::move(session)),
+        handle_(std::move(handle)),
+        record_(handle_.Serialize()),
+        payload_bytes_of_(std::move(payload_bytes_of)) {}
   ~ConsumerImpl() override {
     if (ForkGeneration() == generation_) session_->Forget(handle_.pair, value_arrived_);
   }
@@ -688,6 +810,34 @@ class ConsumerImpl final : public NetworkConsumer,
     return producers_.empty();
   }
   void ValueArrived() { value_arrived_ = true; }
+  // Why a value message's payload size cannot be this pair's ("" when it can): the size its
+  // header implies (the codec's word), and at most this machine's memory.
+  std::string CheckPayloadBytes(std::string_view header, uint64_t bytes) const {
+    if (payload_bytes_of_) {
+      uint64_t implied = 0;
+      try {
+        implied = payload_bytes_of_(header);
+      } catch (const FutureError& e) {
+        return "its header is no " + handle_.type_name + " value's (" + e.detail() + ")";
+      } catch (const std::exception& e) {
+        return "its header is no " + handle_.type_name + " value's (" + e.what() + ")";
+      }
+      if (implied != bytes) {
+        return "it says it has " + std::to_string(bytes) + " bytes, and its header " +
+               std::to_string(implied);
+      }
+    }
+    static const uint64_t memory = [] {
+      const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+      return pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page)
+                                   : std::numeric_limits<uint64_t>::max();
+    }();
+    if (bytes > memory) {
+      return "its " + std::to_string(bytes) + " bytes are more than this machine's memory (" +
+             std::to_string(memory) + " bytes)";
+    }
+    return {};
+  }
 
   // A holder of this pair: a process that deserialized a handle or used one (its attach
   // message), or claimed the pair (FindClaimHolders; nothing more known of it then).
@@ -701,8 +851,10 @@ class ConsumerImpl final : public NetworkConsumer,
 
   // On the session's threads. Each message that changes what the tick decides from (a holder,
   // a handle serialized) bumps the epoch: a failure decided before it is not applied.
-  void Attached(const std::string& producer, const std::optional<HolderInfo>& info) {
+  // False (nothing recorded) for a holder past kMaxHoldersPerPair.
+  bool Attached(const std::string& producer, const std::optional<HolderInfo>& info) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!TrackLocked(producer)) return false;
     Holder& holder = producers_[producer];
     holder.dropped = false;  // (a process that dropped a handle and attached again: live)
     if (info) {
@@ -718,14 +870,24 @@ class ConsumerImpl final : public NetworkConsumer,
       if (info->deserialized) ++deserialized_;
     }
     ++epoch_;
+    return true;
   }
   // `attachment` of `producer` dropped the pair (an earlier one's late message changes nothing).
+  // (Only a known holder's: FromHolder.)
   void Dropped(const std::string& producer, const std::string& attachment) {
     std::lock_guard<std::mutex> lock(mu_);
-    Holder& holder = producers_[producer];
+    const auto it = producers_.find(producer);
+    if (it == producers_.end()) return;
+    Holder& holder = it->second;
     if (!holder.attachment.empty() && holder.attachment != attachment) return;
     holder.dropped = true;
     ++epoch_;
+  }
+  // Whether `producer` is a holder of the pair not known to have dropped it.
+  bool HasLiveHolder(const std::string& producer) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = producers_.find(producer);
+    return it != producers_.end() && !it->second.dropped;
   }
   // A handle was serialized: in the creator's process (MarkLeftProcess), or by a holder.
   void CountSerialized() {
@@ -792,10 +954,15 @@ class ConsumerImpl final : public NetworkConsumer,
   bool LeftProcess() const {
     return left_process_ || forks_in_parent.load() != forks_at_creation_;
   }
+  // Whether `producer` is, or may become, one of producers_ (mu_ held).
+  bool TrackLocked(const std::string& producer) const {
+    return producers_.size() < kMaxHoldersPerPair || producers_.count(producer) != 0;
+  }
 
   const std::shared_ptr<Session> session_;
   const NetworkHandle handle_;
   const std::string record_;  // what the claim key holds until a producer claims the pair
+  const PayloadBytesOf payload_bytes_of_;  // the codec's (null: not checked)
   const uint64_t generation_ = ForkGeneration();
   const uint64_t forks_at_creation_ = forks_in_parent.load();
   SharedState<NetworkValue> state_;
@@ -813,6 +980,10 @@ class ConsumerImpl final : public NetworkConsumer,
   std::shared_ptr<const NativeError> native_;          // guarded by mu_
 };
 
+bool Session::FromHolder(const ConsumerImpl* consumer, const Message& m) {
+  return consumer != nullptr && consumer->HasLiveHolder(m.producer);
+}
+
 // ---- the registry and the tick thread ----
 
 struct Registry {
@@ -823,6 +994,7 @@ struct Registry {
   bool ticking = false;   // guarded by mu: the tick thread runs
   uint64_t work = 0;      // guarded by mu: EnsureTicking calls (work given since a round began)
   bool stopped = false;   // guarded by mu: the library's exit ran
+  bool delete_soon = false;  // guarded by mu: a session queued keys to delete (DeleteSoon)
 };
 
 std::atomic<Registry*> registry{new Registry()};  // replaced (the old one leaked) in a fork child
@@ -830,16 +1002,24 @@ std::atomic<Registry*> registry{new Registry()};  // replaced (the old one leake
 Registry& Current() { return *registry.load(); }
 
 void TickLoop(Registry* reg) {
+  Clock::time_point next_round = Clock::now() + milliseconds(kTickMs);
   for (;;) {
     std::vector<std::shared_ptr<Session>> sessions;
     uint64_t work_seen;
+    bool round;
     {
       std::unique_lock<std::mutex> lock(reg->mu);
-      reg->tick_cv.wait_for(lock, milliseconds(kTickMs), [&] { return reg->stopped; });
+      reg->tick_cv.wait_until(lock, next_round, [&] { return reg->stopped || reg->delete_soon; });
       if (reg->stopped) break;
+      reg->delete_soon = false;
+      round = Clock::now() >= next_round;
       work_seen = reg->work;
       for (auto& [address, session] : reg->sessions) sessions.push_back(session);
     }
+    // Between rounds: only what was queued for deletion (a value's chunks, once read).
+    for (auto& session : sessions) session->DeleteQueued();
+    if (!round) continue;
+    next_round = Clock::now() + milliseconds(kTickMs);
     bool busy = false;
     for (auto& session : sessions) busy = session->Tick() || busy;
     if (!busy) {
@@ -866,6 +1046,17 @@ void EnsureTicking() {
   thread.detach();
   reg->ticking = true;
   ++kind_threads;
+}
+
+// Wakes the tick thread to delete what a session queued (starting it if need be).
+void DeleteSoonOnTickThread() {
+  {
+    Registry& reg = Current();
+    std::lock_guard<std::mutex> lock(reg.mu);
+    reg.delete_soon = true;
+  }
+  Current().tick_cv.notify_all();
+  EnsureTicking();
 }
 
 std::shared_ptr<Session> SessionFor(const StoreAddress& address) {
@@ -972,7 +1163,15 @@ void Session::Forget(const std::string& pair, bool value_arrived) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     pairs_.erase(pair);
-    cleanups_.push_back({pair, !value_arrived});
+    // (No value message read: a producer may have written chunks, or may yet.)
+    cleanups_.push_back({pair, true, value_arrived ? 0 : std::numeric_limits<uint32_t>::max()});
+    if (forgotten_.insert(pair).second) {
+      forgotten_order_.push_back(pair);
+      if (forgotten_order_.size() > kForgottenPairsKept) {
+        forgotten_.erase(forgotten_order_.front());
+        forgotten_order_.pop_front();
+      }
+    }
     // The watcher exits when it finds no pair left; one in its pop is woken to find that.
     wake = pairs_.empty() && WakeWatcherLocked();
   }
@@ -1033,8 +1232,12 @@ void Session::Watch(const std::shared_ptr<KeyValueStore>& connection) {
     --kind_threads;
   };
   bool drained = false;
+  // The items the queue held after the last pop: popped in batches, without waiting, until none
+  // is left (a flood of messages costs a round trip per kPopBatch of them, not per message).
+  int64_t backlog = 0;
   for (;;) {
     bool pop = true;
+    const bool block = backlog <= 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       // (A wake on its way is popped first: none is left in the queue.)
@@ -1044,27 +1247,32 @@ void Session::Watch(const std::shared_ptr<KeyValueStore>& connection) {
         pop = false;
       } else {
         drained = false;
-        watcher_blocked_ = true;
+        watcher_blocked_ = block;
       }
     }
     if (!pop) {
       // No pair left: what the queue still holds (a late drop message, a value for a pair
-      // dropped meanwhile) is handled now, so that nothing of it is left in the store.
+      // dropped meanwhile) is handled now, so that nothing of it is left in the store; as many
+      // items as it held now, at most (a sender that goes on pushing does not hold it here).
       try {
-        while (auto bytes = connection->QueuePopNow(queue)) {
-          if (const std::optional<Message> m = Decode(*bytes)) Handle(*connection, *m);
-        }
+        DrainQueue(*connection, queue, [&](const std::string& bytes) {
+          if (const std::optional<Message> m = Decode(bytes)) Handle(*connection, *m);
+        });
       } catch (...) {
         // (The store went away: nothing is left to wait for.)
       }
+      backlog = 0;
       drained = true;
       continue;
     }
-    std::string bytes;
+    std::vector<std::string> items;
     std::string failure;
     try {
-      bytes = connection->QueuePopBlocking(queue);
+      items = connection->QueuePopSome(
+          queue, block ? 1 : static_cast<size_t>(std::min<int64_t>(backlog, kPopBatch)), block,
+          &backlog);
     } catch (const StoreError& e) {
+      backlog = 0;
       if (e.kind() != StoreError::Kind::kTimeout) failure = e.what();
     } catch (const std::exception& e) {
       failure = e.what();
@@ -1072,23 +1280,27 @@ void Session::Watch(const std::shared_ptr<KeyValueStore>& connection) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       watcher_blocked_ = false;
-      if (bytes.size() == 1 && bytes[0] == kWake) wake_pending_ = false;
+      for (const auto& bytes : items) {
+        if (bytes.size() == 1 && bytes[0] == kWake) wake_pending_ = false;
+      }
     }
     if (!failure.empty()) {
       if (!stopping_) Break(failure);
       std::lock_guard<std::mutex> lock(mu_);
       return leave();
     }
-    const std::optional<Message> m = Decode(bytes);
-    if (!m) continue;  // a timeout, or not a message of this kind (the queue is ours)
-    try {
-      Handle(*connection, *m);
-    } catch (const StoreError& e) {
-      if (!stopping_) Break(e.what());
-      std::lock_guard<std::mutex> lock(mu_);
-      return leave();
-    } catch (...) {
-      // (Handle fails the pair of a message it cannot complete; nothing else can throw.)
+    for (const auto& bytes : items) {
+      const std::optional<Message> m = Decode(bytes);
+      if (!m) continue;  // not a message of this kind (the queue is ours: junk is dropped)
+      try {
+        Handle(*connection, *m);
+      } catch (const StoreError& e) {
+        if (!stopping_) Break(e.what());
+        std::lock_guard<std::mutex> lock(mu_);
+        return leave();
+      } catch (...) {
+        // (Handle fails the pair of a message it cannot complete; nothing else can throw.)
+      }
     }
   }
 }
@@ -1097,6 +1309,7 @@ void Session::Handle(KeyValueStore& connection, const Message& m) {
   if (m.type == kWake) return;
   const std::shared_ptr<ConsumerImpl> consumer = Find(m.pair);
   if (m.type == kRecheck) {
+    if (m.producer != id_) return;  // (only this process's own tick sends them)
     std::optional<QueuedFailure> failure;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -1112,6 +1325,7 @@ void Session::Handle(KeyValueStore& connection, const Message& m) {
     return;
   }
   if (m.type == kExiting) {
+    if (!FromHolder(consumer.get(), m)) return;
     {
       std::lock_guard<std::mutex> lock(mu_);
       Liveness& l = producers_liveness_[m.producer];
@@ -1120,31 +1334,38 @@ void Session::Handle(KeyValueStore& connection, const Message& m) {
       // said "died" is decided again.)
       if (l.state == Liveness::State::kDead) l.state = Liveness::State::kExited;
     }
-    if (consumer) consumer->Changed();
+    consumer->Changed();
     return;
   }
   if (m.type == kAttach || m.type == kDropped || m.type == kSerialized) {
     if (!consumer) return;
+    bool tracked = true;
     if (m.type == kAttach) {
-      {
+      tracked = consumer->Attached(m.producer, m.holder);
+      if (tracked) {
         // A process that attaches is alive, whatever it was found to be before.
         std::lock_guard<std::mutex> lock(mu_);
         Liveness& l = producers_liveness_[m.producer];
         if (l.state != Liveness::State::kAlive) l = Liveness{};
       }
-      consumer->Attached(m.producer, m.holder);
     } else if (m.type == kDropped) {
-      consumer->Dropped(m.producer, m.attachment);
-    } else {
+      if (FromHolder(consumer.get(), m)) consumer->Dropped(m.producer, m.attachment);
+    } else if (FromHolder(consumer.get(), m)) {
       consumer->CountSerialized();
+    }
+    if (!tracked) {
+      consumer->Fail(FutureErrc::kInvalidHandle,
+                     "more than " + std::to_string(kMaxHoldersPerPair) + " processes attached "
+                     "to the promise on the store at " + address_.ToString() + " (the limit of "
+                     "holders one network promise tracks): pass a promise to fewer processes, "
+                     "or make one per producer");
     }
     return;
   }
-  if (!consumer) {  // a pair nobody waits for any more: its keys go
-    DeleteChunks(connection, m.pair, m.value.chunks);
-    connection.DeleteKey(ClaimKey(m.pair));
-    return;
-  }
+  // A value: for a pair in flight whose value has not come, else (a pair dropped here, or a
+  // repeat) only its keys go.
+  if (!consumer) return ValueForNoPair(m);
+  if (consumer->Settled()) return DeleteSoon({m.pair, false, m.value.chunks});
   Receive(connection, m, consumer);
 }
 
@@ -1164,8 +1385,14 @@ void Session::Receive(KeyValueStore& connection, const Message& m,
     return;
   }
   auto payload = std::make_shared<std::string>();
-  std::string problem;
-  if (v.chunks == 0) {
+  // Its size is checked before any chunk is read: it must be the size its header implies, and
+  // fit in this machine's memory (the message's word, read from the store, is untrusted).
+  std::string problem = consumer->CheckPayloadBytes(v.header, v.payload_bytes);
+  // The chunks found (deleted once read, or once found wrong).
+  uint32_t chunks_found = 0;
+  if (!problem.empty()) {
+    chunks_found = v.chunks;  // (whatever of them exists, up to the first one missing)
+  } else if (v.chunks == 0) {
     payload->assign(v.inline_payload.data(), v.inline_payload.size());
   } else {
     try {
@@ -1178,6 +1405,7 @@ void Session::Receive(KeyValueStore& connection, const Message& m,
           break;
         }
         const std::string chunk = connection.Get(ChunkKey(m.pair, i));
+        chunks_found = i + 1;
         const uint64_t expected =
             i + 1 < v.chunks ? kChunkBytes : v.payload_bytes - uint64_t{kChunkBytes} * i;
         if (chunk.size() != expected) {
@@ -1190,10 +1418,13 @@ void Session::Receive(KeyValueStore& connection, const Message& m,
     } catch (const StoreError& e) {
       if (e.kind() != StoreError::Kind::kTimeout) throw;  // (the store went away: Break)
       problem = std::string("a chunk could not be read (") + e.what() + ")";
+      chunks_found = v.chunks;  // (not known: up to the first one missing)
     } catch (const std::bad_alloc&) {
       problem = "it does not fit in this process's memory";
+      chunks_found = v.chunks;
     } catch (const std::length_error&) {
       problem = "it does not fit in this process's memory";
+      chunks_found = v.chunks;
     }
   }
   if (problem.empty() && Checksum(payload->data(), payload->size()) != v.checksum) {
@@ -1206,8 +1437,9 @@ void Session::Receive(KeyValueStore& connection, const Message& m,
         FutureErrc::kInvalidHandle, "the value read from the store at " + address_.ToString() +
                                         " is corrupt: " + problem));
   }
-  // (The claim stays while the pair does: a second producer is told it came second.)
-  DeleteChunks(connection, m.pair, v.chunks);
+  // (The claim stays while the pair does: a second producer is told it came second. The
+  // chunks go on the tick thread: the watcher goes on to the next message.)
+  if (chunks_found > 0) DeleteSoon({m.pair, false, chunks_found});
 }
 
 void Session::Break(const std::string& why) {
@@ -1234,17 +1466,42 @@ void Session::Break(const std::string& why) {
   }
 }
 
-void Session::DeleteCleanups(std::vector<Cleanup>& cleanups) {
-  while (!cleanups.empty()) {
-    const Cleanup& c = cleanups.back();
-    store_->DeleteKey(ClaimKey(c.pair));
-    if (c.chunks_maybe_left) {
-      // A producer that claimed and then died (or was not read) may have left some: written in
-      // order, so they go up to the first one missing.
-      DeleteChunks(*store_, c.pair, std::numeric_limits<uint32_t>::max());
-    }
-    cleanups.pop_back();
+void Session::DeleteSoon(PairKeys keys) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cleanups_.push_back(std::move(keys));
   }
+  DeleteSoonOnTickThread();
+}
+
+void Session::DeleteQueued() {
+  if (broken_ || stopping_) return;
+  std::vector<PairKeys> cleanups;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cleanups.swap(cleanups_);
+  }
+  if (cleanups.empty()) return;
+  try {
+    DeleteKeysOf(*store_, cleanups);
+  } catch (const StoreError& e) {
+    if (e.kind() != StoreError::Kind::kTimeout) Break(e.what());
+  }
+  if (!cleanups.empty()) {  // (what a failed pass did not delete: the next round's)
+    std::lock_guard<std::mutex> lock(mu_);
+    cleanups_.insert(cleanups_.end(), cleanups.begin(), cleanups.end());
+  }
+}
+
+void Session::ValueForNoPair(const Message& m) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // (Never made here: nothing of it can be ours. One dropped here is kept while it is one of
+    // the latest kForgottenPairsKept: each message naming it costs a delete pass, on the tick
+    // thread.)
+    if (forgotten_.count(m.pair) == 0) return;
+  }
+  DeleteSoon({m.pair, true, m.value.chunks});
 }
 
 void Session::FailAfterQueued(const std::string& pair, FutureErrc code,
@@ -1278,7 +1535,9 @@ void Session::FindClaimHolders(const std::vector<std::shared_ptr<ConsumerImpl>>&
     ConsumerImpl& c = *unknown[(first + k) % unknown.size()];
     const std::string holder = store_->CompareSet(ClaimKey(c.handle().pair), c.record(), c.record());
     if (IsClaimValue(holder) && holder.compare(0, kIdHexDigits, id_) != 0) {
-      c.Attached(holder.substr(0, kIdHexDigits), std::nullopt);  // watched from the next round
+      // (Watched from the next round; past the holders' limit the pair fails at the next
+      // attach message.)
+      c.Attached(holder.substr(0, kIdHexDigits), std::nullopt);
     }
   }
 }
@@ -1286,7 +1545,7 @@ void Session::FindClaimHolders(const std::vector<std::shared_ptr<ConsumerImpl>>&
 bool Session::Tick() {
   if (broken_ || stopping_) return false;
   bool consumers, producers;
-  std::vector<Cleanup> cleanups;
+  std::vector<PairKeys> cleanups;
   std::vector<std::function<void()>> work;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1298,7 +1557,7 @@ bool Session::Tick() {
   if (!consumers && !producers && cleanups.empty() && work.empty()) return false;
   for (auto& w : work) w();  // (noexcept: see ProducerImpl::Announce)
   try {
-    DeleteCleanups(cleanups);
+    DeleteKeysOf(*store_, cleanups);
     if (consumers || producers) Beat(/*force=*/true);
     if (consumers) {
       FindClaimHolders(LiveConsumers());
@@ -1333,14 +1592,15 @@ void Session::CheckProducers(Clock::time_point now) {
       if (holder.local) local = holder.local;
     }
   }
-  // Their heartbeats. (add(key, 0) reads a counter; it makes a missing key 0: a producer that
-  // exited cleanly deleted its key, and what this made is deleted again. A key missing from the
-  // start is not taken for an exit: another consumer may have deleted it, wrongly, or the
-  // producer exited before it was first read; the timeout decides.)
+  // Their heartbeats (read without making a key: a holder named by a forged attach message has
+  // none, and none is left for it). A missing key reads 0: a producer that exited cleanly
+  // deleted its key. A key missing from the start is not taken for an exit: another consumer may
+  // have deleted it, wrongly, or the producer exited before it was first read; the timeout
+  // decides.
   const int64_t timeout_ms = heartbeat_timeout_ms.load();
   std::vector<std::string> gone;
   for (const auto& [id, local] : watched) {
-    const int64_t beat = store_->Add(HeartbeatKey(id), 0);
+    const int64_t beat = ReadHeartbeat(*store_, id);
     // A process on this kernel is checked itself: alive while it runs (its threads may still set
     // values after its exit began), gone at once when it is.
     const std::optional<bool> local_alive =
@@ -1369,9 +1629,14 @@ void Session::CheckProducers(Clock::time_point now) {
       gone.push_back(id);
     }
   }
-  for (const auto& id : gone) {  // whoever sees death deletes (a consumer's identity too)
-    store_->DeleteKey(HeartbeatKey(id));
-    store_->DeleteKey(IdentityKey(id));
+  // Whoever sees death deletes (a consumer's identity too), in batches.
+  for (size_t at = 0; at < gone.size(); at += kBatch / 2) {
+    std::vector<std::string> keys;
+    for (size_t i = at; i < std::min(gone.size(), at + kBatch / 2); ++i) {
+      keys.push_back(HeartbeatKey(gone[i]));
+      keys.push_back(IdentityKey(gone[i]));
+    }
+    store_->DeleteKeys(keys);
   }
   std::map<std::string, Liveness> snapshot;
   {
@@ -1407,7 +1672,7 @@ void Session::CleanUpForConsumers() {
     bool received = store_->QueueLength(QueueKey(consumer)) == 0;
     bool dead = false;
     if (!received && consumer != id_) {
-      const int64_t beat = store_->Add(HeartbeatKey(consumer), 0);
+      const int64_t beat = ReadHeartbeat(*store_, consumer);
       std::lock_guard<std::mutex> lock(mu_);
       Liveness& l = consumers_liveness_[consumer];
       if (beat == 0 && l.last_beat > 0) {
@@ -1443,17 +1708,27 @@ void Session::CleanUpForConsumers() {
 
 void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
                                           const std::vector<std::string>& pairs) {
-  // The consumer will not read its queue: drain it, and delete what its messages name (the
-  // pairs' claims and values: the consumer's pairs, all gone with it).
-  while (auto bytes = store_->QueuePopNow(QueueKey(consumer))) {
-    const std::optional<Message> m = Decode(*bytes);
-    if (!m || m->type == kWake) continue;
-    if (m->type == kValue) DeleteChunks(*store_, m->pair, m->value.chunks);
-    store_->DeleteKey(ClaimKey(m->pair));
+  // The consumer will not read its queue: drain it (as many items as it holds now: a sender
+  // that goes on pushing does not hold this thread), and delete what its messages name (the
+  // pairs' claims and values: the consumer's pairs, all gone with it), in batches.
+  const std::string queue = QueueKey(consumer);
+  std::vector<PairKeys> doomed;
+  std::set<std::string> named;
+  for (const auto& pair : pairs) {  // (read before it died)
+    if (named.insert(pair).second) doomed.push_back({pair, true, 0});
   }
-  for (const auto& pair : pairs) store_->DeleteKey(ClaimKey(pair));  // (read before it died)
-  store_->DeleteKey(HeartbeatKey(consumer));
-  store_->DeleteKey(IdentityKey(consumer));
+  DrainQueue(*store_, queue, [&](const std::string& bytes) {
+    const std::optional<Message> m = Decode(bytes);
+    if (!m || m->type == kWake) return;
+    const uint32_t chunks = m->type == kValue ? m->value.chunks : 0;
+    if (named.insert(m->pair).second) {
+      doomed.push_back({m->pair, true, chunks});
+    } else if (chunks > 0) {
+      doomed.push_back({m->pair, false, chunks});
+    }
+  });
+  DeleteKeysOf(*store_, doomed);
+  store_->DeleteKeys({HeartbeatKey(consumer), IdentityKey(consumer)});
   std::lock_guard<std::mutex> lock(mu_);
   consumer_processes_.erase(consumer);
 }
@@ -1490,23 +1765,32 @@ void Session::Stop() noexcept {
   RunDeferred();
   // First what is this process's own to delete: a clean-up for others that fails or runs past
   // the exit's deadline must not leave it.
-  bool sent = false;
+  bool sent = false, consumed = false;
   try {
     bool wake, identity_written;
-    std::vector<Cleanup> cleanups;
+    std::vector<PairKeys> cleanups;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      consumed = consumed_;
       cleanups.swap(cleanups_);
       // (A wake deferred to a tick that will not run: sent now, unless RunDeferred sent it.)
       wake = watcher_blocked_ && !wake_pending_;
       identity_written = identity_written_;
       sent = !sent_.empty();
     }
-    for (auto& c : consumers) cleanups.push_back({c->handle().pair, true});
-    DeleteCleanups(cleanups);
+    for (auto& c : consumers) {
+      cleanups.push_back({c->handle().pair, true, std::numeric_limits<uint32_t>::max()});
+    }
+    DeleteKeysOf(*store_, cleanups);
     store_->DeleteKey(HeartbeatKey(id_));  // others see "exited", not "died"
     if (identity_written) store_->DeleteKey(IdentityKey(id_));
     if (wake) store_->QueuePush(QueueKey(id_), std::string(1, kWake));
+  } catch (...) {
+  }
+  // What is left in this process's queue (values for the pairs failed above, messages nobody
+  // will read) goes with it, and what those messages name.
+  try {
+    if (consumed) DeleteWhatADeadConsumerLeft(id_, {});
   } catch (...) {
   }
   // What this process sent consumers that are gone (one on this kernel: at once) goes with it.
@@ -1779,6 +2063,14 @@ ProducerImpl::~ProducerImpl() {
                             claim = claim_, announced = standing_ == Standing::kAnnounced] {
         try {
           if (announced || Awaited(*session, handle, record, claim)) {
+            // (Never announced: its attach message first. A consumer takes a drop only from a
+            // holder it knows: a forged one for a made-up process changes nothing.)
+            if (!announced) {
+              session->store().QueuePush(
+                  QueueKey(handle.consumer),
+                  EncodeAttach(handle.pair, session->id(),
+                               ThisHolder(false, AttachmentOf(claim))));
+            }
             session->store().QueuePush(
                 QueueKey(handle.consumer),
                 EncodeHead(kDropped, handle.pair, session->id()) + AttachmentOf(claim));
@@ -1996,7 +2288,8 @@ NetworkHandle NetworkHandle::Parse(std::string_view rest, std::string_view expec
 
 std::shared_ptr<NetworkConsumer> NetworkConsumer::Create(std::string_view type_name,
                                                          const StoreAddress& store,
-                                                         std::string_view value_options) {
+                                                         std::string_view value_options,
+                                                         PayloadBytesOf payload_bytes_of) {
   const std::shared_ptr<Session> session = SessionFor(store);
   NetworkHandle h;
   h.type_name = std::string(type_name);
@@ -2004,7 +2297,7 @@ std::shared_ptr<NetworkConsumer> NetworkConsumer::Create(std::string_view type_n
   h.consumer = session->id();
   h.pair = NewId();
   h.value_options = std::string(value_options);
-  auto consumer = std::make_shared<ConsumerImpl>(session, h);
+  auto consumer = std::make_shared<ConsumerImpl>(session, h, std::move(payload_bytes_of));
   try {
     session->Register(h.pair, consumer->record(), consumer);
   } catch (const StoreError& e) {

@@ -34,7 +34,8 @@
 // the handle: a handle that names the pair with another consumer, value type, options or
 // address was altered (kInvalidHandle); one whose pair is not in flight (its consumer dropped
 // it) is closed, and setting it is a no-op, as for a file promise. A producer that drops its
-// handle unset tells the consumer, checking the handle first if it was not announced yet. It
+// handle unset tells the consumer, checking the handle first (and announcing itself) if it was
+// not announced yet. It
 // publishes the value: its bytes in the message when they fit (kInlineValueBytes), else in chunks of
 // kChunkBytes (the store's server refuses a value over 8 MiB), with a checksum of the bytes
 // either way. Everything the consumer reads back is validated before a value is built; a
@@ -74,6 +75,16 @@
 //
 // Bounds. Every exchange with the store has a deadline, NetworkStoreTimeoutMs(): a store that
 // stops answering breaks the session (its pairs fail, its blocked calls give up) within it.
+// Every count, size and index read from the store is bounded before it causes work (anyone who
+// reaches the store can push to a queue), so that one bad message costs at most the pair it
+// names and never holds the watcher: a value's size must be what its header implies (the
+// codec's PayloadBytes) and fit in this machine's memory before a chunk is read, its chunk count
+// must match its size, and chunks are deleted only up to the first one missing, in pipelined
+// batches, on the tick thread (between its rounds), not the watcher; a value message naming no
+// pair made here causes no store call; a pair tracks at most 1024 holders (more fail it); drop,
+// serialize and exiting messages count only from holders the pair knows; the watcher pops a
+// backlog in batches; a queue drained for a dead consumer (or at exit) gives up as many items as
+// it held when the drain began. Heartbeats are read without making keys.
 //
 // Security: none of the store's (it has no authentication, and listens on every interface):
 // run it on a trusted network. Everything read from it is checked.
@@ -83,6 +94,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -136,6 +148,28 @@ class KeyValueStore {
   // The oldest item, or nullopt when the queue is empty.
   virtual std::optional<std::string> QueuePopNow(const std::string& key) = 0;
   virtual int64_t QueueLength(const std::string& key) = 0;
+  // Batches (one round trip where the store's protocol lets requests be pipelined; c10d has no
+  // multi-delete or multi-pop). Deletes `keys`, in order; returns which existed.
+  virtual std::vector<bool> DeleteKeys(const std::vector<std::string>& keys) {
+    std::vector<bool> existed;
+    existed.reserve(keys.size());
+    for (const auto& key : keys) existed.push_back(DeleteKey(key));
+    return existed;
+  }
+  // Pops up to `max_items` (>= 1) items, oldest first: when `block`, waits for the first as
+  // QueuePopBlocking does. `*left` (if given): the items the queue held after them.
+  virtual std::vector<std::string> QueuePopSome(const std::string& key, size_t max_items,
+                                                bool block, int64_t* left) {
+    std::vector<std::string> items;
+    if (block) items.push_back(QueuePopBlocking(key));
+    while (items.size() < max_items) {
+      std::optional<std::string> item = QueuePopNow(key);
+      if (!item) break;
+      items.push_back(std::move(*item));
+    }
+    if (left != nullptr) *left = QueueLength(key);
+    return items;
+  }
   // Gives the connection up: a call blocked in it, and every later one, throws
   // StoreError(kUnreachable). Callable from any thread, also during a call.
   virtual void Abort() noexcept {}
@@ -184,14 +218,20 @@ struct NetworkHandle {
   static NetworkHandle Parse(std::string_view rest, std::string_view expected_type);
 };
 
+// The payload size a value's header implies (ValueCodec::PayloadBytes; throws for a bad header).
+using PayloadBytesOf = std::function<size_t(std::string_view header)>;
+
 // The consumer's end of a pair, in the process that created it.
 class NetworkConsumer : public ReceivedSource {
  public:
   // Registers the pair with this process's session on the store (connecting, and starting its
-  // watcher, if needed). Throws FutureError(kBrokenPromise) when the store cannot be reached.
+  // watcher, if needed). A value message whose size is not what its header implies
+  // (`payload_bytes_of`) fails the pair before anything more is read. Throws
+  // FutureError(kBrokenPromise) when the store cannot be reached.
   static std::shared_ptr<NetworkConsumer> Create(std::string_view type_name,
                                                  const StoreAddress& store,
-                                                 std::string_view value_options);
+                                                 std::string_view value_options,
+                                                 PayloadBytesOf payload_bytes_of);
   virtual ~NetworkConsumer() = default;
   virtual const NetworkHandle& handle() const = 0;
   virtual bool InCreatorProcess() const = 0;
@@ -268,7 +308,9 @@ class NetworkPromise final : public PromiseBackend<T> {
   NetworkPromise(std::shared_ptr<const ValueCodec<T>> codec, const StoreAddress& store,
                  std::string_view value_options)
       : codec_(std::move(codec)),
-        consumer_(NetworkConsumer::Create(codec_->TypeName(), store, value_options)),
+        consumer_(NetworkConsumer::Create(
+            codec_->TypeName(), store, value_options,
+            [codec = codec_](std::string_view header) { return codec->PayloadBytes(header); })),
         handle_(consumer_->handle()) {}
   // A promise another process serialized: this process holds it from now on
   // (RegisterNetworkHolder: it connects to the store now; if it cannot, the first use says why).

@@ -34,6 +34,10 @@ class ValueCodec {
   // died): a device block the payload only names, which the consumer maps. Null when the payload
   // holds the value itself.
   virtual std::shared_ptr<void> KeepUntilReleased(const T& /*value*/) const { return nullptr; }
+  // The payload size `header` implies (untrusted: another process wrote it), so that a reader can
+  // check what it is told of a payload's size before it receives the bytes. Throws
+  // FutureError(kInvalidHandle) for a header Read would refuse.
+  virtual size_t PayloadBytes(std::string_view header) const = 0;
   // The value of a header and payload another process wrote (untrusted). `payload` (null when
   // there are no bytes) is kept alive by `keep_alive` for as long as the value needs it. Throws
   // FutureError(kInvalidHandle) for anything out of bounds.

@@ -157,6 +157,48 @@ class TcpStoreConnection final : public core::KeyValueStore {
     Send(r, deadline);
     return Receive<int64_t>(deadline);
   }
+  // Batches: the requests go in one send, then their answers are read (c10d's server answers
+  // the requests of a connection in order).
+  std::vector<bool> DeleteKeys(const std::vector<std::string>& keys) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto deadline = Deadline();
+    Request batch(QueryType::DELETE_KEY);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (i != 0) batch.Code(QueryType::DELETE_KEY);
+      batch.String(kKeyPrefix, keys[i]);
+    }
+    std::vector<bool> existed;
+    if (keys.empty()) return existed;
+    Send(batch, deadline);
+    existed.reserve(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) existed.push_back(Receive<int64_t>(deadline) == 1);
+    return existed;
+  }
+  std::vector<std::string> QueuePopSome(const std::string& key, size_t max_items, bool block,
+                                        int64_t* left) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (block) WaitFor(key);  // (a queue's key exists while it holds an item)
+    const auto deadline = Deadline();
+    Request batch(QueryType::QUEUE_POP);
+    batch.String(kKeyPrefix, key);
+    for (size_t i = 1; i < max_items; ++i) {
+      batch.Code(QueryType::QUEUE_POP);
+      batch.String(kKeyPrefix, key);
+    }
+    batch.Code(QueryType::QUEUE_LEN);
+    batch.String(kKeyPrefix, key);
+    Send(batch, deadline);
+    std::vector<std::string> items;
+    for (size_t i = 0; i < std::max<size_t>(max_items, 1); ++i) {
+      if (Receive<int64_t>(deadline) > 0) items.push_back(ReceiveBytes(deadline));
+    }
+    const int64_t length = Receive<int64_t>(deadline);
+    if (left != nullptr) *left = length;
+    if (block && items.empty()) {
+      throw StoreError(StoreError::Kind::kTimeout, "the queue was emptied meanwhile");
+    }
+    return items;
+  }
   bool Broken() const noexcept override { return broken_.load(); }
   void Abort() noexcept override {
     aborted_ = true;
@@ -174,7 +216,9 @@ class TcpStoreConnection final : public core::KeyValueStore {
   // values in the host's byte order), as c10d's SendBuffer writes them.
   class Request {
    public:
-    explicit Request(QueryType type) { bytes_.push_back(static_cast<char>(type)); }
+    explicit Request(QueryType type) { Code(type); }
+    // Another request's code: requests after the first are pipelined in the same send.
+    void Code(QueryType type) { bytes_.push_back(static_cast<char>(type)); }
     template <typename T>
     void Value(T value) {
       bytes_.append(reinterpret_cast<const char*>(&value), sizeof(T));

@@ -268,8 +268,20 @@ std::shared_ptr<void> TensorCodec::KeepUntilReleased(const at::Tensor& value) co
   return std::make_shared<at::Tensor>(value);  // the device block the consumer maps
 }
 
-at::Tensor TensorCodec::Read(std::string_view header, void* payload, size_t payload_bytes,
-                             std::shared_ptr<void> keep_alive) const {
+namespace {
+
+// A header as Read and PayloadBytes check it (untrusted).
+struct ParsedHeader {
+  c10::ScalarType dtype;
+  c10::DeviceType origin_type;
+  int32_t device_index;
+  uint32_t transport;
+  std::vector<int64_t> sizes, strides;
+  int64_t numel;
+  size_t needed;  // the bytes its elements span
+};
+
+ParsedHeader ParseHeader(std::string_view header) {
   if (header.size() < kFixedHeaderBytes) Corrupt("header is truncated");
   uint32_t code = 0, ndim = 0, transport = 0;
   int32_t device_type = 0, device_index = 0;
@@ -294,21 +306,44 @@ at::Tensor TensorCodec::Read(std::string_view header, void* payload, size_t payl
     Corrupt("names no device");
   }
   if (transport != kBytesInPayload && transport != kDeviceIpc) Corrupt("has an unknown transport");
-  std::vector<int64_t> sizes(ndim), strides(ndim);
-  std::memcpy(sizes.data(), header.data() + kFixedHeaderBytes, 8 * ndim);
-  std::memcpy(strides.data(), header.data() + kFixedHeaderBytes + 8 * ndim, 8 * ndim);
-  const auto dtype = kWireDtypes[code];
-  int64_t numel = 1;
+  ParsedHeader h{kWireDtypes[code], origin_type, device_index, transport, {}, {}, 1, 0};
+  h.sizes.resize(ndim);
+  h.strides.resize(ndim);
+  std::memcpy(h.sizes.data(), header.data() + kFixedHeaderBytes, 8 * ndim);
+  std::memcpy(h.strides.data(), header.data() + kFixedHeaderBytes + 8 * ndim, 8 * ndim);
   for (uint32_t d = 0; d < ndim; ++d) {
-    if (sizes[d] < 0 || strides[d] < 0) Corrupt("has a negative size or stride");
-    if (__builtin_mul_overflow(numel, sizes[d], &numel)) Corrupt("has too many elements");
+    if (h.sizes[d] < 0 || h.strides[d] < 0) Corrupt("has a negative size or stride");
+    if (__builtin_mul_overflow(h.numel, h.sizes[d], &h.numel)) Corrupt("has too many elements");
   }
-  size_t needed = 0;  // the bytes its elements span (overflow-checked by torch)
-  try {
-    needed = numel == 0 ? 0 : at::detail::computeStorageNbytes(sizes, strides, c10::elementSize(dtype));
+  try {  // (overflow-checked by torch)
+    h.needed = h.numel == 0 ? 0
+                            : at::detail::computeStorageNbytes(h.sizes, h.strides,
+                                                               c10::elementSize(h.dtype));
   } catch (const c10::Error&) {
     Corrupt("has strides that overflow");
   }
+  return h;
+}
+
+}  // namespace
+
+size_t TensorCodec::PayloadBytes(std::string_view header) const {
+  const ParsedHeader h = ParseHeader(header);
+  return h.transport == kDeviceIpc ? kIpcPayloadBytes : h.needed;
+}
+
+at::Tensor TensorCodec::Read(std::string_view header, void* payload, size_t payload_bytes,
+                             std::shared_ptr<void> keep_alive) const {
+  const ParsedHeader parsed = ParseHeader(header);
+  const c10::ScalarType dtype = parsed.dtype;
+  const c10::DeviceType origin_type = parsed.origin_type;
+  const int32_t device_index = parsed.device_index;
+  const uint32_t transport = parsed.transport;
+  const std::vector<int64_t>& sizes = parsed.sizes;
+  const std::vector<int64_t>& strides = parsed.strides;
+  const int64_t numel = parsed.numel;
+  const size_t needed = parsed.needed;
+  const bool from_cpu = origin_type == c10::kCPU;
   const c10::Device origin(origin_type, static_cast<c10::DeviceIndex>(device_index));
 
   if (transport == kDeviceIpc) {

@@ -603,6 +603,10 @@ class IntCodec final : public ValueCodec<int64_t> {
   void WritePayload(const int64_t& value, void* payload, size_t) const override {
     std::memcpy(payload, &value, sizeof(value));
   }
+  size_t PayloadBytes(std::string_view header) const override {
+    if (header != "i") throw FutureError(FutureErrc::kInvalidHandle, "bad int");
+    return sizeof(int64_t);
+  }
   int64_t Read(std::string_view header, void* payload, size_t bytes,
                std::shared_ptr<void> keep_alive) const override {
     if (header != "i" || bytes != sizeof(int64_t) || !keep_alive) {
