@@ -43,6 +43,13 @@ def value(pair: str, producer: str, payload_bytes: int, chunks: int, header: byt
             inline)
 
 
+def error(pair: str, producer: str, code: int, text: bytes) -> bytes:
+    """An error message: its code, and its text (u8 type bytes | type | u16 detail bytes |
+    detail | traceback) as the kind encodes it."""
+    return (head(b"V", pair, producer) +
+            struct.pack("<BIQIQI", 1, code, 0, 0, 0, len(text)) + text)
+
+
 def chunked(pair: str, producer: str, payload_bytes: int) -> bytes:
     """A value message naming as many chunks as `payload_bytes` needs (none written), with a
     header that implies that size (float32 elements)."""
@@ -50,10 +57,13 @@ def chunked(pair: str, producer: str, payload_bytes: int) -> bytes:
     return value(pair, producer, payload_bytes, chunks, tensor_header([payload_bytes // 4]))
 
 
-def attach(pair: str, producer: str, pid: int = 4242, boot_id: str = None) -> bytes:
+def attach(pair: str, producer: str, pid: int = 4242, boot_id: str = None,
+           pid_namespace: int = 1) -> bytes:
+    """An attach message (by default from a process on another host: a random boot id)."""
     boot = (boot_id or hex_id()).encode()
     host = b"forger"
-    return (head(b"A", pair, producer) + struct.pack("<BiQQB", 0, pid, 1, 1, len(boot)) + boot +
+    return (head(b"A", pair, producer) +
+            struct.pack("<BiQQB", 0, pid, 1, pid_namespace, len(boot)) + boot +
             struct.pack("<B", len(host)) + host + hex_id(16).encode())
 
 

@@ -93,6 +93,9 @@ def test_the_network_kind_benchmark_runs(monkeypatch):
     for how, figures in result["latency_us"].items():
         assert figures["median"] > 0, how
     assert set(result["bandwidth"]["8MiB"]["gbps"]) == {"network", "set", "gloo"}
-    assert [f.name for f in report.figures] == ["4 KiB one-way, consumer blocked in wait()",
-                                                "8 MiB bandwidth"]
+    assert set(result["hostile_latency_us"]) == {"quiet", "bad", "flood"}
+    assert [f.name for f in report.figures] == [
+        "4 KiB one-way, consumer blocked in wait()",
+        "4 KiB one-way behind a forged message naming 2^32 - 1 chunks",
+        "4 KiB one-way during a flood of 500 junk messages", "8 MiB bandwidth"]
     assert result["store_keys_left"] in ([], None)  # None: the store cannot list its keys

@@ -8,6 +8,7 @@ producer; the forged messages are pushed from here (single messages) or by a spa
 flood). The wire format: tests/forged_messages.py.
 """
 import gc
+import os
 import re
 import statistics
 import time
@@ -129,6 +130,32 @@ def test_a_size_its_header_does_not_imply_fails_its_pair(store, producer):
                 "its header is no tensor value's")
 
 
+def test_a_chunk_of_the_wrong_size_fails_its_pair_and_goes(store, producer):
+    """Chunks a forger wrote for its message (the second 1 MiB too long): the pair fails, the
+    chunks are deleted."""
+    size = fm.CHUNK_BYTES + 8
+
+    def forge(pair_id):
+        store.set(f"{fm.KEY_PREFIX}v/{pair_id}/0", b"\0" * fm.CHUNK_BYTES)
+        store.set(f"{fm.KEY_PREFIX}v/{pair_id}/1", b"\0" * (1 << 20))
+        return fm.chunked(pair_id, fm.hex_id(), size)
+
+    fails_alone(store, producer, forge, f"chunk 1 has {1 << 20} bytes, expected 8")
+
+
+def test_forged_errors(store, producer):
+    """An error whose text is malformed fails its pair as corrupt; one with a code past the last
+    is no message (the pair then gets its genuine value)."""
+    fails_alone(store, producer, lambda p: fm.error(p, fm.hex_id(), 1, b"\xff" + b"x" * 4),
+                "the error read from the store at .* is corrupt")
+    promise, future = pair(store)
+    consumer, pair_id = ids(promise)
+    push(store, consumer, fm.error(pair_id, fm.hex_id(), 1 << 20, b"\0\0\0"))
+    value = torch.ones(2)
+    producer.call(network_workers.set_value, promise.serialize(), value)
+    assert torch.equal(future.wait(WAIT_MS), value)
+
+
 def test_more_holders_than_a_pair_tracks_fail_that_pair_alone(store, producer):
     victim, future = pair(store)
     consumer, victim_pair = ids(victim)
@@ -187,6 +214,56 @@ def test_repeated_values_for_one_pair_change_nothing(store, producer):
     assert torch.equal(future.value(), value)
 
 
+def test_a_forged_message_naming_our_pair_in_another_consumers_queue_leaves_it_be(store,
+                                                                                  producer):
+    """Another consumer drains its queue at its exit (and producers drain a dead consumer's):
+    messages there naming a pair that is not its own are not its to act on, so our pair keeps
+    its claim and gets its value."""
+    promise, future = pair(store)
+    _, pair_id = ids(promise)
+    other = ProducerProcess(SPAWN)
+    try:
+        handle = other.call(network_workers.make_pair, f"127.0.0.1:{store.port}", "kept")
+        other_consumer = HANDLE.match(handle).group(1)
+        for message in (fm.value(pair_id, fm.hex_id(), 16, 0, fm.tensor_header([4]), b"\0" * 16),
+                        fm.attach(pair_id, fm.hex_id()),
+                        fm.chunked(pair_id, fm.hex_id(), 3 * fm.CHUNK_BYTES)):
+            store.queue_push(fm.queue_key(other_consumer), message)
+    finally:
+        other.close()  # (its exit drains its queue)
+    assert other.process.exitcode == 0
+    value = torch.arange(5.0)
+    producer.call(network_workers.set_value, promise.serialize(), value)
+    assert torch.equal(future.wait(WAIT_MS), value)
+
+
+def test_a_forged_attach_naming_a_live_process_with_a_dead_pid_harms_nobody(store, producer):
+    """An attach message names a producer by its store id (printed in the handles it makes) and
+    says it runs here with a pid that is gone: that process's heartbeat goes on, so it is not
+    taken for dead (its other pair does not fail) and its heartbeat key stays."""
+    import subprocess
+    handle = producer.call(network_workers.make_pair, f"127.0.0.1:{store.port}", "id")
+    producer_id = HANDLE.match(handle).group(1)
+    held, held_future = pair(store)
+    producer.call(network_workers.attach_and_keep, held.serialize(), "held")
+    victim, victim_future = pair(store)
+    consumer, victim_pair = ids(victim)
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot_id = f.read().strip().replace("-", "")
+    push(store, consumer, fm.attach(victim_pair, producer_id, pid=finished.pid, boot_id=boot_id,
+                                    pid_namespace=os.stat("/proc/self/ns/pid").st_ino))
+    time.sleep(2.5)  # five ticks
+    assert not held_future.done() and not victim_future.done()
+    assert f"{fm.KEY_PREFIX}hb/{producer_id}" in store.list_keys()
+    value = torch.ones(2)
+    producer.call(network_workers.set_value, held.serialize(), value)
+    assert torch.equal(held_future.wait(WAIT_MS), value)
+    producer.call(network_workers.drop, "held")
+    producer.call(network_workers.drop, "id")
+
+
 def _one_way_ms(store, producer, count: int, pace_s: float, flood: int = 0) -> list:
     """One-way times (ms) of `count` values set `pace_s` apart by the genuine producer, each its
     own pair; with `flood` junk messages pushed meanwhile (over the same span) by a forger."""
@@ -240,3 +317,7 @@ def test_a_flood_of_10000_junk_messages_holds_no_genuine_value(store, producer):
           f"{statistics.median(flooded):.3f} / {sorted(flooded)[179]:.3f} "
           f"({statistics.median(flooded) / statistics.median(quiet):.2f}x the median)")
     assert still_delivers(store, producer) < 5.0
+    # The holders its attach messages made up left no heartbeat key (read, never made): only
+    # this process's and the producer's.
+    heartbeats = [k for k in store.list_keys() if k.startswith(fm.KEY_PREFIX + "hb/")]
+    assert len(heartbeats) <= 2, heartbeats

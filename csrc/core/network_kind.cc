@@ -52,6 +52,20 @@ constexpr size_t kAttachmentHexDigits = 16;
 constexpr size_t kBatch = 64;
 // The watcher's pops in one batch while a backlog waits (each item may be a 4 MiB value).
 constexpr size_t kPopBatch = 32;
+// After an item this large, pops go one at a time (values of megabytes: what one batch holds).
+constexpr size_t kLargeItemBytes = size_t{64} << 10;
+
+// The next batch's size, given the backlog and the largest item of the last batch.
+size_t PopBatchSize(int64_t backlog, size_t largest_item) {
+  if (largest_item > kLargeItemBytes) return 1;
+  return static_cast<size_t>(std::max<int64_t>(1, std::min<int64_t>(backlog, kPopBatch)));
+}
+
+size_t LargestItem(const std::vector<std::string>& items) {
+  size_t largest = 0;
+  for (const auto& item : items) largest = std::max(largest, item.size());
+  return largest;
+}
 // Holders one pair tracks (each is watched every tick): a pair that more processes attach to
 // fails (a forged flood of attach messages costs that pair, not the session's tick).
 constexpr size_t kMaxHoldersPerPair = 1024;
@@ -188,10 +202,12 @@ void DeleteKeysOf(KeyValueStore& store, PairKeys keys) {
 void DrainQueue(KeyValueStore& store, const std::string& queue,
                 const std::function<void(const std::string&)>& each) {
   int64_t left = store.QueueLength(queue);
+  size_t largest = 0;
   for (int64_t budget = left; left > 0 && budget > 0;) {
-    const auto items = store.QueuePopSome(
-        queue, static_cast<size_t>(std::min<int64_t>(budget, kPopBatch)), false, &left);
+    const auto items =
+        store.QueuePopSome(queue, PopBatchSize(std::min(budget, left), largest), false, &left);
     if (items.empty()) return;
+    largest = LargestItem(items);
     budget -= static_cast<int64_t>(items.size());
     for (const auto& bytes : items) each(bytes);
   }
@@ -200,13 +216,33 @@ void DrainQueue(KeyValueStore& store, const std::string& queue,
 // A process's heartbeat counter, 0 when it has none (or what its key holds is no counter:
 // untrusted). Reads without waiting or making the key (compare_set with one value as both: a
 // get waits for a missing key, an add makes it). Throws StoreError.
-int64_t ReadHeartbeat(KeyValueStore& store, const std::string& process) {
-  const std::string missing = "-";
-  const std::string text = store.CompareSet(HeartbeatKey(process), missing, missing);
+constexpr char kMissing[] = "-";  // (what CompareSet(key, "-", "-") answers for a missing key)
+
+int64_t HeartbeatOf(const std::string& text) {
   int64_t beat = 0;
   const auto parsed = std::from_chars(text.data(), text.data() + text.size(), beat);
   return parsed.ec == std::errc() && parsed.ptr == text.data() + text.size() && beat > 0 ? beat
                                                                                           : 0;
+}
+
+int64_t ReadHeartbeat(KeyValueStore& store, const std::string& process) {
+  return HeartbeatOf(store.CompareSet(HeartbeatKey(process), kMissing, kMissing));
+}
+
+// The heartbeats of `processes`, in pipelined batches of kBatch.
+std::vector<int64_t> ReadHeartbeats(KeyValueStore& store, const std::vector<std::string>& processes) {
+  std::vector<int64_t> beats;
+  beats.reserve(processes.size());
+  for (size_t at = 0; at < processes.size(); at += kBatch) {
+    std::vector<std::string> keys;
+    for (size_t i = at; i < std::min(processes.size(), at + kBatch); ++i) {
+      keys.push_back(HeartbeatKey(processes[i]));
+    }
+    for (const auto& text : store.CompareSets(keys, kMissing, kMissing)) {
+      beats.push_back(HeartbeatOf(text));
+    }
+  }
+  return beats;
 }
 
 std::unique_ptr<KeyValueStore> Connect(const StoreAddress& address, milliseconds timeout) {
@@ -1235,6 +1271,7 @@ void Session::Watch(const std::shared_ptr<KeyValueStore>& connection) {
   // The items the queue held after the last pop: popped in batches, without waiting, until none
   // is left (a flood of messages costs a round trip per kPopBatch of them, not per message).
   int64_t backlog = 0;
+  size_t largest = 0;  // the largest item of the last batch
   for (;;) {
     bool pop = true;
     const bool block = backlog <= 0;
@@ -1268,9 +1305,9 @@ void Session::Watch(const std::shared_ptr<KeyValueStore>& connection) {
     std::vector<std::string> items;
     std::string failure;
     try {
-      items = connection->QueuePopSome(
-          queue, block ? 1 : static_cast<size_t>(std::min<int64_t>(backlog, kPopBatch)), block,
-          &backlog);
+      items = connection->QueuePopSome(queue, block ? 1 : PopBatchSize(backlog, largest), block,
+                                       &backlog);
+      largest = LargestItem(items);
     } catch (const StoreError& e) {
       backlog = 0;
       if (e.kind() != StoreError::Kind::kTimeout) failure = e.what();
@@ -1324,6 +1361,9 @@ void Session::Handle(KeyValueStore& connection, const Message& m) {
     }
     return;
   }
+  // (This process's own handles are no holders and send none of these: a message that says it
+  // is from this process is forged.)
+  if (m.type != kValue && m.producer == id_) return;
   if (m.type == kExiting) {
     if (!FromHolder(consumer.get(), m)) return;
     {
@@ -1365,7 +1405,10 @@ void Session::Handle(KeyValueStore& connection, const Message& m) {
   // A value: for a pair in flight whose value has not come, else (a pair dropped here, or a
   // repeat) only its keys go.
   if (!consumer) return ValueForNoPair(m);
-  if (consumer->Settled()) return DeleteSoon({m.pair, false, m.value.chunks});
+  if (consumer->Settled()) {
+    if (m.value.chunks > 0) DeleteSoon({m.pair, false, m.value.chunks});
+    return;
+  }
   Receive(connection, m, consumer);
 }
 
@@ -1486,6 +1529,8 @@ void Session::DeleteQueued() {
     DeleteKeysOf(*store_, cleanups);
   } catch (const StoreError& e) {
     if (e.kind() != StoreError::Kind::kTimeout) Break(e.what());
+  } catch (...) {
+    // (The next round tries again.)
   }
   if (!cleanups.empty()) {  // (what a failed pass did not delete: the next round's)
     std::lock_guard<std::mutex> lock(mu_);
@@ -1557,8 +1602,9 @@ bool Session::Tick() {
   if (!consumers && !producers && cleanups.empty() && work.empty()) return false;
   for (auto& w : work) w();  // (noexcept: see ProducerImpl::Announce)
   try {
-    DeleteKeysOf(*store_, cleanups);
+    // (The heartbeat first: however long the deletes take, this process does not look dead.)
     if (consumers || producers) Beat(/*force=*/true);
+    DeleteKeysOf(*store_, cleanups);
     if (consumers) {
       FindClaimHolders(LiveConsumers());
       CheckProducers(Clock::now());
@@ -1598,11 +1644,17 @@ void Session::CheckProducers(Clock::time_point now) {
   // have deleted it, wrongly, or the producer exited before it was first read; the timeout
   // decides.
   const int64_t timeout_ms = heartbeat_timeout_ms.load();
-  std::vector<std::string> gone;
+  std::vector<std::string> ids;
+  for (const auto& [id, local] : watched) ids.push_back(id);
+  const std::vector<int64_t> beats = ReadHeartbeats(*store_, ids);
+  std::vector<std::string> newly_gone;
+  size_t k = 0;
   for (const auto& [id, local] : watched) {
-    const int64_t beat = ReadHeartbeat(*store_, id);
+    const int64_t beat = beats[k++];
     // A process on this kernel is checked itself: alive while it runs (its threads may still set
-    // values after its exit began), gone at once when it is.
+    // values after its exit began), gone once its pid is gone and its heartbeat is too or has
+    // stood still for two ticks (the pid came in an attach message: a forged one naming a live
+    // process's id with a dead pid must not make it gone).
     const std::optional<bool> local_alive =
         local ? std::optional<bool>(shm::IsAlive(*local)) : std::nullopt;
     std::lock_guard<std::mutex> lock(mu_);
@@ -1610,31 +1662,34 @@ void Session::CheckProducers(Clock::time_point now) {
     const auto gone_as = [&] {
       return l.exiting ? Liveness::State::kExited : Liveness::State::kDead;
     };
-    if (l.state != Liveness::State::kAlive) {
-      gone.push_back(id);
-    } else if (local_alive) {
-      if (*local_alive) continue;
-      // (Its exit said so first: the library's exit handler, a multiprocessing child's end. Its
-      // heartbeat cannot tell: another consumer that saw it gone may have deleted it.)
-      l.state = gone_as();
-      gone.push_back(id);
-    } else if (beat == 0 && l.last_beat > 0) {
-      l.state = Liveness::State::kExited;  // (its heartbeat was seen, then deleted)
-      gone.push_back(id);
-    } else if (beat != l.last_beat) {
+    if (l.state != Liveness::State::kAlive) continue;
+    const bool advanced = beat != 0 && beat != l.last_beat;
+    if (advanced) {
       l.last_beat = beat;
       l.changed_at = now;
-    } else if (now - l.changed_at > milliseconds(timeout_ms)) {
+    }
+    if (local_alive) {
+      if (*local_alive) continue;
+      if (beat == 0 || now - l.changed_at >= milliseconds(2 * kTickMs)) {
+        // (Its exit said so first: the library's exit handler, a multiprocessing child's end.
+        // Its heartbeat cannot tell: another consumer that saw it gone may have deleted it.)
+        l.state = gone_as();
+        newly_gone.push_back(id);
+      }
+    } else if (beat == 0 && l.last_beat > 0) {
+      l.state = Liveness::State::kExited;  // (its heartbeat was seen, then deleted)
+      newly_gone.push_back(id);
+    } else if (!advanced && now - l.changed_at > milliseconds(timeout_ms)) {
       l.state = gone_as();
-      gone.push_back(id);
+      newly_gone.push_back(id);
     }
   }
-  // Whoever sees death deletes (a consumer's identity too), in batches.
-  for (size_t at = 0; at < gone.size(); at += kBatch / 2) {
+  // Whoever sees death deletes (a consumer's identity too), in batches, once.
+  for (size_t at = 0; at < newly_gone.size(); at += kBatch / 2) {
     std::vector<std::string> keys;
-    for (size_t i = at; i < std::min(gone.size(), at + kBatch / 2); ++i) {
-      keys.push_back(HeartbeatKey(gone[i]));
-      keys.push_back(IdentityKey(gone[i]));
+    for (size_t i = at; i < std::min(newly_gone.size(), at + kBatch / 2); ++i) {
+      keys.push_back(HeartbeatKey(newly_gone[i]));
+      keys.push_back(IdentityKey(newly_gone[i]));
     }
     store_->DeleteKeys(keys);
   }
@@ -1709,25 +1764,32 @@ void Session::CleanUpForConsumers() {
 void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
                                           const std::vector<std::string>& pairs) {
   // The consumer will not read its queue: drain it (as many items as it holds now: a sender
-  // that goes on pushing does not hold this thread), and delete what its messages name (the
-  // pairs' claims and values: the consumer's pairs, all gone with it), in batches.
+  // that goes on pushing does not hold this thread), and delete the keys of `pairs` (what this
+  // process sent it, or at its own exit its own pairs: claims, and the chunks a value message
+  // for one names), in batches. A message naming another pair is not this process's to act on
+  // (a forged one may name anyone's pair): another producer's goes back to the queue, for that
+  // producer's own clean-up; one that claims to be this process's is forged, and dropped.
   const std::string queue = QueueKey(consumer);
+  const bool own = consumer == id_;
+  std::set<std::string> ours(pairs.begin(), pairs.end());
   std::vector<PairKeys> doomed;
-  std::set<std::string> named;
-  for (const auto& pair : pairs) {  // (read before it died)
-    if (named.insert(pair).second) doomed.push_back({pair, true, 0});
+  for (const auto& pair : ours) doomed.push_back({pair, true, 0});
+  if (own) {  // (the pairs dropped here too: a late value's chunks are named by its message)
+    std::lock_guard<std::mutex> lock(mu_);
+    ours.insert(forgotten_.begin(), forgotten_.end());
   }
+  std::vector<std::string> others;
   DrainQueue(*store_, queue, [&](const std::string& bytes) {
     const std::optional<Message> m = Decode(bytes);
     if (!m || m->type == kWake) return;
-    const uint32_t chunks = m->type == kValue ? m->value.chunks : 0;
-    if (named.insert(m->pair).second) {
-      doomed.push_back({m->pair, true, chunks});
-    } else if (chunks > 0) {
-      doomed.push_back({m->pair, false, chunks});
+    if (ours.count(m->pair) == 0) {
+      if (!own && m->producer != id_) others.push_back(bytes);
+      return;
     }
+    if (m->type == kValue && m->value.chunks > 0) doomed.push_back({m->pair, false, m->value.chunks});
   });
   DeleteKeysOf(*store_, doomed);
+  for (const auto& bytes : others) store_->QueuePush(queue, bytes);
   store_->DeleteKeys({HeartbeatKey(consumer), IdentityKey(consumer)});
   std::lock_guard<std::mutex> lock(mu_);
   consumer_processes_.erase(consumer);
@@ -1766,12 +1828,14 @@ void Session::Stop() noexcept {
   // First what is this process's own to delete: a clean-up for others that fails or runs past
   // the exit's deadline must not leave it.
   bool sent = false, consumed = false;
+  std::vector<std::string> ours;  // this process's pairs in flight
   try {
     bool wake, identity_written;
     std::vector<PairKeys> cleanups;
     {
       std::lock_guard<std::mutex> lock(mu_);
       consumed = consumed_;
+      for (const auto& [pair, weak] : pairs_) ours.push_back(pair);
       cleanups.swap(cleanups_);
       // (A wake deferred to a tick that will not run: sent now, unless RunDeferred sent it.)
       wake = watcher_blocked_ && !wake_pending_;
@@ -1787,15 +1851,22 @@ void Session::Stop() noexcept {
     if (wake) store_->QueuePush(QueueKey(id_), std::string(1, kWake));
   } catch (...) {
   }
-  // What is left in this process's queue (values for the pairs failed above, messages nobody
-  // will read) goes with it, and what those messages name.
-  try {
-    if (consumed) DeleteWhatADeadConsumerLeft(id_, {});
-  } catch (...) {
-  }
   // What this process sent consumers that are gone (one on this kernel: at once) goes with it.
   try {
     if (sent) CleanUpForConsumers();
+  } catch (...) {
+  }
+  // Last (a flooded queue must not hold the rest up): what is left in this process's queue
+  // (values for the pairs failed above, messages nobody will read) goes with it, with what
+  // those messages name of its pairs, and what was queued for deletion meanwhile.
+  try {
+    if (consumed) DeleteWhatADeadConsumerLeft(id_, ours);
+    std::vector<PairKeys> late;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      late.swap(cleanups_);
+    }
+    DeleteKeysOf(*store_, late);
   } catch (...) {
   }
 }
@@ -2054,7 +2125,8 @@ void ProducerImpl::Serialized() noexcept {
 
 ProducerImpl::~ProducerImpl() {
   if (ForkGeneration() != generation_) return;
-  if (!published_ && !withdrawn_ && standing_ != Standing::kSilent && !session_->broken()) {
+  if (!published_ && !withdrawn_ && standing_ != Standing::kSilent && !session_->broken() &&
+      session_->id() != handle_.consumer) {  // (the creator's own process holds no handle)
     // Dropped unset: the consumer is told, by the tick thread (a store call here could block the
     // thread that drops the promise), if the pair waits for this handle's producer (an altered
     // handle must not break the real pair: checked first when it was not announced).
@@ -2066,10 +2138,14 @@ ProducerImpl::~ProducerImpl() {
             // (Never announced: its attach message first. A consumer takes a drop only from a
             // holder it knows: a forged one for a made-up process changes nothing.)
             if (!announced) {
-              session->store().QueuePush(
-                  QueueKey(handle.consumer),
-                  EncodeAttach(handle.pair, session->id(),
-                               ThisHolder(false, AttachmentOf(claim))));
+              std::string attach;
+              try {
+                attach = EncodeAttach(handle.pair, session->id(),
+                                      ThisHolder(false, AttachmentOf(claim)));
+              } catch (...) {
+                // (Who this process is cannot be read: the drop is told all the same.)
+              }
+              if (!attach.empty()) session->store().QueuePush(QueueKey(handle.consumer), attach);
             }
             session->store().QueuePush(
                 QueueKey(handle.consumer),

@@ -156,6 +156,15 @@ class KeyValueStore {
     for (const auto& key : keys) existed.push_back(DeleteKey(key));
     return existed;
   }
+  // CompareSet on each of `keys` with the same values; the answers, in order.
+  virtual std::vector<std::string> CompareSets(const std::vector<std::string>& keys,
+                                               const std::string& expected,
+                                               const std::string& desired) {
+    std::vector<std::string> answers;
+    answers.reserve(keys.size());
+    for (const auto& key : keys) answers.push_back(CompareSet(key, expected, desired));
+    return answers;
+  }
   // Pops up to `max_items` (>= 1) items, oldest first: when `block`, waits for the first as
   // QueuePopBlocking does. `*left` (if given): the items the queue held after them.
   virtual std::vector<std::string> QueuePopSome(const std::string& key, size_t max_items,

@@ -171,8 +171,27 @@ class TcpStoreConnection final : public core::KeyValueStore {
     if (keys.empty()) return existed;
     Send(batch, deadline);
     existed.reserve(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) existed.push_back(Receive<int64_t>(deadline) == 1);
+    // (Each answer its own deadline: a server that answers is not silent.)
+    for (size_t i = 0; i < keys.size(); ++i) existed.push_back(Receive<int64_t>(Deadline()) == 1);
     return existed;
+  }
+  std::vector<std::string> CompareSets(const std::vector<std::string>& keys,
+                                       const std::string& expected,
+                                       const std::string& desired) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> answers;
+    if (keys.empty()) return answers;
+    Request batch(QueryType::COMPARE_SET);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (i != 0) batch.Code(QueryType::COMPARE_SET);
+      batch.String(kKeyPrefix, keys[i]);
+      batch.String(expected);
+      batch.String(desired);
+    }
+    Send(batch, Deadline());
+    answers.reserve(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) answers.push_back(ReceiveBytes(Deadline()));
+    return answers;
   }
   std::vector<std::string> QueuePopSome(const std::string& key, size_t max_items, bool block,
                                         int64_t* left) override {
@@ -190,9 +209,10 @@ class TcpStoreConnection final : public core::KeyValueStore {
     Send(batch, deadline);
     std::vector<std::string> items;
     for (size_t i = 0; i < std::max<size_t>(max_items, 1); ++i) {
-      if (Receive<int64_t>(deadline) > 0) items.push_back(ReceiveBytes(deadline));
+      // (Each answer its own deadline: items of megabytes each take their time.)
+      if (Receive<int64_t>(Deadline()) > 0) items.push_back(ReceiveBytes(Deadline()));
     }
-    const int64_t length = Receive<int64_t>(deadline);
+    const int64_t length = Receive<int64_t>(Deadline());
     if (left != nullptr) *left = length;
     if (block && items.empty()) {
       throw StoreError(StoreError::Kind::kTimeout, "the queue was emptied meanwhile");
