@@ -487,10 +487,13 @@ def test_a_killed_consumer_leaves_no_key(store, address, producer, processes):
     producer.call(network_workers.configure, HEARTBEAT_S)
     try:
         handle = process.call(network_workers.make_pair, address, "doomed")
+        small = process.call(network_workers.make_pair, address, "doomed too")
         consumer = fields(handle)["consumer"]
         assert KEY_PREFIX + "hb/" + consumer in our_keys(store)
         kill(process)
-        # The producer's publish still succeeds (a chunked value: its chunks are keys)...
+        # The producer's publishes still succeed (first a value in its message, then a chunked
+        # one: its chunks are keys; the claims of both are the producer's to delete)...
+        producer.call(network_workers.set_value, small, torch.ones(3))
         producer.call(network_workers.produce_seeded, handle, (8 << 20) + 1, torch.uint8, 1)
         # ...and once the consumer's heartbeat stood still for the timeout, the producer deletes
         # what it left: its queue, the pair's keys, the dead consumer's heartbeat.

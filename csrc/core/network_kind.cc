@@ -699,6 +699,15 @@ class Session : public std::enable_shared_from_this<Session> {
     std::lock_guard<std::mutex> lock(mu_);
     sent_[consumer].push_back({pair, chunks});
   }
+  // The pairs this process sent `consumer` messages about, not yet known read.
+  std::vector<std::string> SentPairs(const std::string& consumer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> pairs;
+    if (const auto it = sent_.find(consumer); it != sent_.end()) {
+      for (const auto& sent : it->second) pairs.push_back(sent.pair);
+    }
+    return pairs;
+  }
   // Fails `pair` once the watcher has handled the messages queued before now (kRecheck), unless
   // one of them changed what the decision was made from (the consumer's epoch, at `epoch` now).
   void FailAfterQueued(const std::string& pair, FutureErrc code, const std::string& detail,
@@ -2196,7 +2205,9 @@ void ProducerImpl::PublishValue(const std::string& header, std::string payload) 
       if (handle_.consumer != session_->id() && session_->ConsumerGoneHere(handle_.consumer)) {
         // Nobody will read it: no chunk is written, and what the consumer left goes (the claim
         // among it). (Asked for chunked values only: one round trip at most, beside megabytes.)
-        session_->DeleteWhatADeadConsumerLeft(handle_.consumer, {handle_.pair});
+        std::vector<std::string> pairs = session_->SentPairs(handle_.consumer);
+        pairs.push_back(handle_.pair);
+        session_->DeleteWhatADeadConsumerLeft(handle_.consumer, pairs);
         published_ = true;
         return;
       }
