@@ -54,6 +54,13 @@ constexpr size_t kBatch = 64;
 constexpr size_t kPopBatch = 32;
 // After an item this large, pops go one at a time (values of megabytes: what one batch holds).
 constexpr size_t kLargeItemBytes = size_t{64} << 10;
+// Holders one pair tracks (each is watched every tick): a pair that more processes attach to
+// fails (a forged flood of attach messages costs that pair, not the session's tick).
+constexpr size_t kMaxHoldersPerPair = 1024;
+// Pairs dropped here that a value message may still name (a late value, its producer having
+// claimed before the drop; a forged repeat): their keys are deleted for a value message naming
+// no pair in flight, and nothing for one naming a pair never made here.
+constexpr size_t kForgottenPairsKept = size_t{1} << 16;
 
 // The next batch's size, given the backlog and the largest item of the last batch.
 size_t PopBatchSize(int64_t backlog, size_t largest_item) {
@@ -66,13 +73,6 @@ size_t LargestItem(const std::vector<std::string>& items) {
   for (const auto& item : items) largest = std::max(largest, item.size());
   return largest;
 }
-// Holders one pair tracks (each is watched every tick): a pair that more processes attach to
-// fails (a forged flood of attach messages costs that pair, not the session's tick).
-constexpr size_t kMaxHoldersPerPair = 1024;
-// Pairs dropped here that a value message may still name (a late value, its producer having
-// claimed before the drop; a forged repeat): their keys are deleted for a value message naming
-// no pair in flight, and nothing for one naming a pair never made here.
-constexpr size_t kForgottenPairsKept = size_t{1} << 16;
 
 std::atomic<StoreConnector> store_connector{nullptr};
 std::atomic<int64_t> heartbeat_timeout_ms{kDefaultNetworkHeartbeatTimeoutMs};
@@ -191,11 +191,6 @@ void DeleteKeysOf(KeyValueStore& store, std::vector<PairKeys>& doomed) {
   }
 }
 
-void DeleteKeysOf(KeyValueStore& store, PairKeys keys) {
-  std::vector<PairKeys> doomed{std::move(keys)};
-  DeleteKeysOf(store, doomed);
-}
-
 // Pops what `queue` holds now, in batches of kPopBatch, and passes each item to `each`: as many
 // items as it held when this began, at most (a sender that goes on pushing does not hold the
 // caller). Throws StoreError.
@@ -213,11 +208,11 @@ void DrainQueue(KeyValueStore& store, const std::string& queue,
   }
 }
 
-// A process's heartbeat counter, 0 when it has none (or what its key holds is no counter:
-// untrusted). Reads without waiting or making the key (compare_set with one value as both: a
-// get waits for a missing key, an add makes it). Throws StoreError.
-constexpr char kMissing[] = "-";  // (what CompareSet(key, "-", "-") answers for a missing key)
+// What CompareSet(key, kMissing, kMissing) answers for a missing key: it reads a key without
+// waiting or making it (a get waits for a missing key, an add makes it).
+constexpr char kMissing[] = "-";
 
+// A heartbeat key's counter as read, 0 when it has none (or holds no counter: untrusted).
 int64_t HeartbeatOf(const std::string& text) {
   int64_t beat = 0;
   const auto parsed = std::from_chars(text.data(), text.data() + text.size(), beat);
@@ -225,6 +220,7 @@ int64_t HeartbeatOf(const std::string& text) {
                                                                                           : 0;
 }
 
+// A process's heartbeat counter (HeartbeatOf), read without making its key. Throws StoreError.
 int64_t ReadHeartbeat(KeyValueStore& store, const std::string& process) {
   return HeartbeatOf(store.CompareSet(HeartbeatKey(process), kMissing, kMissing));
 }
@@ -1816,9 +1812,8 @@ bool Session::ConsumerGoneHere(const std::string& consumer) {
   if (!known) {
     // (compare_set with one value as both reads without waiting: a get would wait for a missing
     // key. A consumer that wrote none, or exited and deleted it, is not found gone here.)
-    const std::string missing = "-";
-    const std::string text = store_->CompareSet(IdentityKey(consumer), missing, missing);
-    process = text == missing ? std::nullopt : LocalProcessOf(text);
+    const std::string text = store_->CompareSet(IdentityKey(consumer), kMissing, kMissing);
+    process = text == kMissing ? std::nullopt : LocalProcessOf(text);
     std::lock_guard<std::mutex> lock(mu_);
     consumer_processes_[consumer] = process;
   }
