@@ -81,7 +81,8 @@ def _cuda_home():
 
 
 def _sources(*patterns):
-    found = sorted(p for pattern in patterns for p in glob.glob(os.path.join("csrc", pattern)))
+    found = sorted(p for pattern in patterns
+                   for p in glob.glob(os.path.join("csrc", pattern), recursive=True))
     assert found, f"no sources match {patterns}"
     return found
 
@@ -134,7 +135,7 @@ def _without_libtorch_python(ext):
 
 
 CUDA_HOME = _cuda_home()
-LIB_SOURCES = _sources("core/*.cc", "ops/*.cpp", "*.cpp")
+LIB_SOURCES = _sources("core/**/*.cc", "ops/**/*.cpp", "*.cpp")
 LIB_INCLUDE = [PUBLIC_INCLUDE, *BOOST_INCLUDE]
 LIB_LIBRARIES = []
 if CUDA_HOME is not None:

@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "future_error.h"
+#include "lifecycle.h"
+#include "settings.h"
 #include "shared_state.h"  // kMaxTimeoutMs
 
 namespace dtorch::core {
@@ -408,5 +410,33 @@ void CompletionDetectors::FailThreadStartsForTesting(int count) {
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->fail_thread_starts_for_testing = count;
 }
+
+namespace {
+
+const bool detector_settings_registered =
+    RegisterSetting({"max_detector_threads", Setting::Unit::kCount,
+                     static_cast<int64_t>(CompletionDetectors::kDefaultMaxThreads), 1, INT64_MAX,
+                     "Detector threads (named dtorch-detect) at most: one per device stream with "
+                     "pending values up to this, beyond which streams share them.",
+                     [] { return CompletionDetectors::Instance().MaxThreads(); },
+                     [](int64_t n) { CompletionDetectors::Instance().SetMaxThreads(n); }, 10}) &&
+    RegisterSetting({"detector_idle_exit_s", Setting::Unit::kSeconds,
+                     CompletionDetectors::kDefaultIdleExitMs, 1, kMaxTimeoutMs,
+                     "How long a detector thread with nothing to watch waits before it exits.",
+                     [] { return CompletionDetectors::Instance().IdleExitMs(); },
+                     [](int64_t ms) { CompletionDetectors::Instance().SetIdleExitMs(ms); }, 11});
+
+// First of the lifecycle: a detector's completion may post to the pool. (Constructed here, before
+// any fork handler can run.)
+const bool detectors_participate = RegisterParticipant({
+    "detectors", 0, [] { return CompletionDetectors::Instance().ThreadCount(); },
+    [](std::chrono::steady_clock::time_point deadline) {
+      CompletionDetectors::Instance().Stop(deadline);
+    },
+    [] { CompletionDetectors::Instance().PrepareFork(); },
+    [] { CompletionDetectors::Instance().AfterForkInParent(); },
+    [] { CompletionDetectors::Instance().AfterForkInChild(); }, nullptr});
+
+}  // namespace
 
 }  // namespace dtorch::core

@@ -112,7 +112,7 @@ class CompletionDetectors {
   // it had already taken off its keys, polls nothing more and destroys nothing. Idempotent.
   void Stop(std::chrono::steady_clock::time_point deadline);
 
-  // pthread_atfork handlers (registered by the library's lifecycle, core/library_threads.h).
+  // pthread_atfork handlers (the library's lifecycle, core/lifecycle.h, calls them).
   // PrepareFork waits until no detector is inside Complete() and keeps the detectors' state locked
   // across fork(); the parent unlocks it, the child resets it and drops what was pending.
   void PrepareFork();

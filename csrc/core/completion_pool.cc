@@ -11,7 +11,9 @@
 #include <utility>
 
 #include "boost_config.h"
-#include "fork_generation.h"
+#include "base/fork_generation.h"
+#include "lifecycle.h"
+#include "settings.h"
 
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -201,5 +203,24 @@ void CompletionPool::AfterForkInChild() {
   fresh->threads = state_->threads;
   state_ = fresh;
 }
+
+namespace {
+
+const bool pool_setting_registered = RegisterSetting(
+    {"pool_threads", Setting::Unit::kCount, CompletionPool::kDefaultThreads, 1, INT64_MAX,
+     "Threads of the completion pool (named dtorch-pool), started on its first use; set it before "
+     "then.",
+     [] { return CompletionPool::Instance().Threads(); },
+     [](int64_t n) { CompletionPool::Instance().SetThreads(n); }, 20});
+
+// After the detectors (which may post to it), before the kinds.
+const bool pool_participates = RegisterParticipant({
+    "pool", 10, [] { return CompletionPool::Instance().ThreadCount(); },
+    [](std::chrono::steady_clock::time_point deadline) { CompletionPool::Instance().Stop(deadline); },
+    [] { CompletionPool::Instance().PrepareFork(); },
+    [] { CompletionPool::Instance().AfterForkInParent(); },
+    [] { CompletionPool::Instance().AfterForkInChild(); }, nullptr});
+
+}  // namespace
 
 }  // namespace dtorch::core

@@ -70,7 +70,7 @@ class CompletionPool {
   // Waits until the posted work is done or `deadline`, then stops the pool. Idempotent.
   void Stop(std::chrono::steady_clock::time_point deadline);
 
-  // pthread_atfork handlers (core/library_threads.h).
+  // pthread_atfork handlers (the library's lifecycle, core/lifecycle.h, calls them).
   void PrepareFork();
   void AfterForkInParent();
   void AfterForkInChild();

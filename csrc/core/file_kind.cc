@@ -25,6 +25,9 @@
 #include <boost/interprocess/sync/interprocess_mutex.hpp>
 #include <boost/interprocess/sync/scoped_lock.hpp>
 
+#include "attach_deadline.h"
+#include "base/clock.h"
+#include "base/random.h"
 #include "kind_registry.h"
 #include "payload_pool.h"
 
@@ -32,7 +35,6 @@ namespace dtorch::core {
 namespace bip = boost::interprocess;
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 constexpr uint64_t kControlMagic = 0x3170666863726f74ULL;  // "torchfp1" (little-endian)
@@ -75,7 +77,6 @@ constexpr milliseconds kLivenessPeriod{250};
 // handle may be about to attach anew.
 constexpr milliseconds kNoProducerGrace{500};
 constexpr milliseconds kWatcherIdleExit{2000};
-constexpr int64_t kDefaultAttachTimeoutMs = 30000;
 constexpr char kWatcherThreadName[] = "dtorch-doorbell";
 constexpr int kLockTimeoutS = 10;
 
@@ -87,7 +88,7 @@ struct ProducerEntry {
   std::atomic<uint32_t> state;
 
   // The registered process (of this pid namespace: attach refuses others).
-  shm::ProcessId Process() const { return shm::InThisNamespace(pid.load(), start_time.load()); }
+  ProcessId Process() const { return InThisNamespace(pid.load(), start_time.load()); }
 };
 
 struct FileControlBlock {
@@ -151,10 +152,6 @@ static_assert(sizeof(DoorbellBlock) <= kSegmentBytes);
 
 namespace {
 
-int64_t NowMs() {
-  return std::chrono::duration_cast<milliseconds>(Clock::now().time_since_epoch()).count();
-}
-
 std::string ReadName(const char (&field)[kNameField]) {
   return std::string(field, strnlen(field, kNameField));
 }
@@ -168,8 +165,8 @@ void WriteName(char (&field)[kNameField], const std::string& name) {
 // process, the consumer: a producer's names for it are): "" when there is none or it is not.
 std::string PayloadNameIn(const FileControlBlock* block) {
   const std::string name = ReadName(block->payload);
-  shm::ProcessId owner;
-  if (!shm::ParseSegmentName(name, &owner) || !(owner == shm::Self())) return {};
+  ProcessId owner;
+  if (!shm::ParseSegmentName(name, &owner) || !(owner == Self())) return {};
   return name;
 }
 
@@ -203,7 +200,7 @@ std::atomic<ReleasedConsumers*> released_consumers{new ReleasedConsumers()};
 // unlinked (the pairs' control segments, payloads it never received), rather than at the next
 // sweep or import. Once per dead consumer (its other pairs' sets find nothing new of it): a scan
 // of /dev/shm.
-void ReleaseWhatDeadConsumersLeft(const std::optional<shm::ProcessId>& consumer) noexcept {
+void ReleaseWhatDeadConsumersLeft(const std::optional<ProcessId>& consumer) noexcept {
   if (consumer) {
     ReleasedConsumers& r = *released_consumers.load();
     try {
@@ -214,7 +211,7 @@ void ReleaseWhatDeadConsumersLeft(const std::optional<shm::ProcessId>& consumer)
     }
   }
   try {
-    payload::Sweep(Clock::now(), [](const shm::ProcessId& p) { return shm::IsAlive(p); });
+    payload::Sweep(Clock::now(), [](const ProcessId& p) { return IsAlive(p); });
   } catch (...) {
     // (Out of memory: the watcher's sweep drops them.)
   }
@@ -336,10 +333,10 @@ class ChannelBase : public FileChannel {
     if (header.size() > kMaxValueHeaderBytes) {
       throw fail(FutureError(FutureErrc::kInvalidHandle, "the value's header does not fit"));
     }
-    const shm::ProcessId consumer = shm::InThisNamespace(b->creator_pid, b->creator_start);
+    const ProcessId consumer = InThisNamespace(b->creator_pid, b->creator_start);
     // (Its own pairs: no /proc read. Another's: one before the payload is made, one after.)
-    const bool elsewhere = !(consumer == shm::Self());
-    if (payload_bytes > 0 && elsewhere && !shm::IsAlive(consumer)) {
+    const bool elsewhere = !(consumer == Self());
+    if (payload_bytes > 0 && elsewhere && !IsAlive(consumer)) {
       // Nobody will read it: nothing is made for a dead consumer (a SIGKILLed controller's
       // workers would fill /dev/shm), and what it left goes now. The pair ends as broken.
       ReleaseWhatDeadConsumersLeft(consumer);
@@ -353,7 +350,7 @@ class ChannelBase : public FileChannel {
       try {
         // The name goes into the block before a new segment exists: if this process dies
         // before publishing, the consumer unlinks it.
-        lease = payload::Acquire(shm::InThisNamespace(b->creator_pid, b->creator_start),
+        lease = payload::Acquire(InThisNamespace(b->creator_pid, b->creator_start),
                                  payload_bytes,
                                  [&](const std::string& name) { WriteName(b->payload, name); });
         WriteName(b->payload, lease->name());
@@ -385,7 +382,7 @@ class ChannelBase : public FileChannel {
     // the watcher's: payload::Sweep.)
     const bool published = Finish(kValue);
     // (And one that died while the value was written: its segment goes before the set returns.)
-    const bool consumer_died = lease && elsewhere && !shm::IsAlive(consumer);
+    const bool consumer_died = lease && elsewhere && !IsAlive(consumer);
     if (lease && (!published || consumer_died || (b->flags.load() & kConsumerGone))) {
       lease->Withdraw();
     }
@@ -505,7 +502,7 @@ class CopyInCreatorChannel final : public ClaimingChannel {
 };
 
 bool IsCreatorProcess(const FileControlBlock* block) {
-  const auto self = shm::Self();
+  const auto self = Self();
   return block->creator_pid == self.pid && block->creator_start == self.start_time;
 }
 
@@ -515,7 +512,7 @@ class ProducerAttachment final : public ClaimingChannel {
   ProducerAttachment(std::shared_ptr<shm::Segment> control, std::string segment, uint32_t slot)
       : ClaimingChannel(std::move(control), slot, std::move(segment)),
         slot_(slot),
-        pid_(shm::CurrentPid()) {}
+        pid_(CurrentPid()) {}
 
   ~ProducerAttachment() override { Leave(kDropped); }
 
@@ -523,7 +520,7 @@ class ProducerAttachment final : public ClaimingChannel {
 
   // This process no longer produces: its handles are gone (kDropped) or it exits (kExited).
   void Leave(uint32_t why) noexcept {
-    if (shm::CurrentPid() != pid_) return;  // a forked child's copy: the entry is the parent's
+    if (CurrentPid() != pid_) return;  // a forked child's copy: the entry is the parent's
     uint32_t attached = kAttached;
     if (block()->producers[slot_].state.compare_exchange_strong(attached, why) &&
         !IsDone(block()->state.load())) {
@@ -542,7 +539,6 @@ class ProducerAttachment final : public ClaimingChannel {
 // The process-wide parts: the doorbell watcher and the producer attachments.
 
 class ConsumerImpl;
-std::atomic<int64_t> attach_timeout_ms{kDefaultAttachTimeoutMs};
 // Forks of this process (counted in the parent): a pair created before one may have reached the
 // child without being serialized.
 std::atomic<uint64_t> forks_in_parent{0};
@@ -588,7 +584,7 @@ void EnsureWatcherLocked(ProcessState& state);
 void ReleaseDoorbellLocked(ProcessState& state);
 std::vector<std::shared_ptr<ConsumerImpl>> LiveConsumersLocked(ProcessState& state);
 void CheckOrphanPayloads(ProcessState& state,
-                         const std::function<bool(const shm::ProcessId&)>& alive);
+                         const std::function<bool(const ProcessId&)>& alive);
 void AdoptOrphanPayload(std::shared_ptr<shm::Segment> control);
 
 DoorbellBlock* AsDoorbell(const std::shared_ptr<shm::Segment>& segment) {
@@ -598,10 +594,10 @@ DoorbellBlock* AsDoorbell(const std::shared_ptr<shm::Segment>& segment) {
 // This process's doorbell, made on first use.
 std::shared_ptr<shm::Segment> OwnDoorbellLocked(ProcessState& state) {
   if (!state.doorbell) {
-    auto name = shm::NewSegmentName(shm::Self());
+    auto name = shm::NewSegmentName(Self());
     std::shared_ptr<shm::Segment> segment = shm::Segment::Create(name, kSegmentBytes);
     auto* block = new (segment->data()) DoorbellBlock();
-    shm::RandomBytes(block->nonce, kNonceBytes);
+    RandomBytes(block->nonce, kNonceBytes);
     block->magic = kDoorbellMagic;
     state.doorbell = std::move(segment);
     state.doorbell_name = std::move(name);
@@ -619,7 +615,7 @@ class ConsumerImpl final : public FileConsumer {
       : control_(std::move(control)),
         handle_(std::move(handle)),
         doorbell_(std::move(doorbell)),
-        creator_pid_(shm::CurrentPid()),
+        creator_pid_(CurrentPid()),
         forks_at_creation_(forks_in_parent.load()) {}
 
   ~ConsumerImpl() override {
@@ -630,7 +626,7 @@ class ConsumerImpl final : public FileConsumer {
   bool Pending() const { return !IsDone(block()->state.load()); }
 
   const FileHandle& handle() const override { return handle_; }
-  bool InCreatorProcess() const override { return shm::CurrentPid() == creator_pid_; }
+  bool InCreatorProcess() const override { return CurrentPid() == creator_pid_; }
 
   std::shared_ptr<FileChannel> CreatorChannel() override {
     return std::make_shared<CreatorsChannel>(
@@ -744,7 +740,7 @@ class ConsumerImpl final : public FileConsumer {
   // Whether the pair is complete (it then leaves the watcher); breaks it when its producers are
   // gone. `alive` memoizes process liveness for one round.
   bool Check(Clock::time_point now, bool liveness,
-             const std::function<bool(const shm::ProcessId&)>& alive) {
+             const std::function<bool(const ProcessId&)>& alive) {
     auto* b = block();
     const uint32_t state = b->state.load();
     if (IsDone(state)) {
@@ -791,9 +787,9 @@ class ConsumerImpl final : public FileConsumer {
       if (in_flight) {
         // A holder passed the promise on (serialized it) before it went, and it has not arrived
         // yet: the attach deadline is the backstop for a handle that never will.
-        if (now - *no_producer_since_ < milliseconds(attach_timeout_ms.load())) return false;
+        if (now - *no_producer_since_ < milliseconds(AttachTimeoutMs())) return false;
         Break(state, FutureErrc::kBrokenPromise,
-              "no producer attached within " + std::to_string(attach_timeout_ms.load()) +
+              "no producer attached within " + std::to_string(AttachTimeoutMs()) +
                   " ms after the last process holding the promise was gone, and " +
                   std::to_string(serialized - deserialized) + " serialized handle(s) of it " +
                   "were never deserialized (config.attach_timeout_s)");
@@ -812,9 +808,9 @@ class ConsumerImpl final : public FileConsumer {
     const int64_t dropped_ms = b->creator_dropped_ms.load();  // written here only; checked anyway
     const int64_t now_ms = NowMs();
     if ((b->flags.load() & kCreatorDropped) && dropped_ms <= now_ms &&
-        now_ms - dropped_ms >= attach_timeout_ms.load()) {
+        now_ms - dropped_ms >= AttachTimeoutMs()) {
       Break(state, FutureErrc::kBrokenPromise,
-            "no producer attached within " + std::to_string(attach_timeout_ms.load()) +
+            "no producer attached within " + std::to_string(AttachTimeoutMs()) +
                 " ms after the creator dropped its promise (config.attach_timeout_s)");
     }
     return false;
@@ -946,7 +942,7 @@ class ConsumerImpl final : public FileConsumer {
 void RunWatcher(ProcessState* state) {
   auto next_liveness = Clock::now();
   auto idle_since = Clock::now();
-  std::map<int32_t, std::pair<shm::ProcessId, bool>> liveness;
+  std::map<int32_t, std::pair<ProcessId, bool>> liveness;
   for (;;) {
     std::shared_ptr<shm::Segment> doorbell_segment;
     std::vector<std::shared_ptr<ConsumerImpl>> consumers;
@@ -994,10 +990,10 @@ void RunWatcher(ProcessState* state) {
       next_liveness = now + kLivenessPeriod;
       liveness.clear();
     }
-    const auto alive = [&](const shm::ProcessId& process) {
+    const auto alive = [&](const ProcessId& process) {
       auto it = liveness.find(process.pid);
       if (it == liveness.end() || !(it->second.first == process)) {
-        it = liveness.insert_or_assign(process.pid, std::make_pair(process, shm::IsAlive(process)))
+        it = liveness.insert_or_assign(process.pid, std::make_pair(process, IsAlive(process)))
                  .first;
       }
       return it->second.second;
@@ -1118,7 +1114,7 @@ void AdoptOrphanPayload(std::shared_ptr<shm::Segment> control) {
 }
 
 void CheckOrphanPayloads(ProcessState& state,
-                         const std::function<bool(const shm::ProcessId&)>& alive) {
+                         const std::function<bool(const ProcessId&)>& alive) {
   std::vector<OrphanPayload> orphans;
   {
     std::lock_guard<std::mutex> lock(state.mu);
@@ -1275,9 +1271,9 @@ std::shared_ptr<shm::Segment> MapFileControlSegment(const FileHandle& handle) no
 static void CheckControlBlock(const FileControlBlock* block, const FileHandle& handle) {
   unsigned char nonce[kNonceBytes];
   ParseHex(handle.nonce_hex, nonce, kNonceBytes);  // validated by Parse
-  shm::ProcessId owner;
+  ProcessId owner;
   shm::ParseSegmentName(handle.segment, &owner);
-  if (owner.pid_namespace != shm::Self().pid_namespace) {
+  if (owner.pid_namespace != Self().pid_namespace) {
     throw FutureError(FutureErrc::kInvalidHandle,
                       "the promise was created in another pid namespace (a container sharing "
                       "/dev/shm but not its processes): producers and consumer must see each "
@@ -1336,7 +1332,7 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
                         "another process has held this promise's lock for " +
                             std::to_string(kLockTimeoutS) + " s; it seems stuck");
     }
-    const auto self = shm::Self();
+    const auto self = Self();
     const uint32_t count = std::min(block->producer_count.load(), kMaxProducers);
     slot = count;
     // This process's entry of a handle it dropped is taken again: a process that receives the
@@ -1448,15 +1444,15 @@ std::shared_ptr<FileConsumer> FileConsumer::Create(std::string_view type_name,
   }
   auto doorbell = OwnDoorbellLocked(state);
   EnsureWatcherLocked(state);  // first: it unlinks the doorbell if this pair is never made
-  const auto self = shm::Self();
+  const auto self = Self();
   FileHandle handle;
   handle.type_name = std::string(type_name);
   handle.value_options = std::string(value_options);
   handle.segment = shm::NewSegmentName(self);
   std::shared_ptr<shm::Segment> control = shm::Segment::Create(handle.segment, kSegmentBytes);
   auto* block = new (control->data()) FileControlBlock();  // zeroed; atomics and mutex built
-  shm::RandomBytes(block->nonce, kNonceBytes);
-  handle.nonce_hex = shm::HexOf(block->nonce, kNonceBytes);
+  RandomBytes(block->nonce, kNonceBytes);
+  handle.nonce_hex = HexOf(block->nonce, kNonceBytes);
   std::memcpy(block->type_name, type_name.data(), type_name.size());
   std::memcpy(block->value_options, value_options.data(), value_options.size());
   block->creator_pid = self.pid;
@@ -1555,13 +1551,6 @@ int FileWatcherThreads() {
   std::lock_guard<std::mutex> lock(process_state->mu);
   return process_state->watcher_running ? 1 : 0;
 }
-
-void SetAttachTimeoutMs(int64_t ms) {
-  if (ms < 0) throw std::invalid_argument("the attach timeout must be >= 0 ms");
-  attach_timeout_ms = std::min(ms, kMaxTimeoutMs);
-}
-
-int64_t AttachTimeoutMs() { return attach_timeout_ms.load(); }
 
 size_t PendingFilePairs() {
   std::lock_guard<std::mutex> lock(process_state->mu);

@@ -206,9 +206,6 @@ void AfterForkFileKindInParent() noexcept;
 void AfterForkFileKindInChild() noexcept;
 // The doorbell watcher threads (0 or 1), for CountLibraryThreads.
 int FileWatcherThreads();
-// How long a promise in flight whose creator dropped it waits for a producer to attach.
-void SetAttachTimeoutMs(int64_t ms);
-int64_t AttachTimeoutMs();
 // Pending file pairs of this process (registered with the watcher), and the name of its doorbell
 // segment ("" when it has none: no pair pending for a while), for tests.
 size_t PendingFilePairs();
@@ -240,10 +237,10 @@ class FilePromise final : public PromiseBackend<T> {
     bool counted = false;
     if (auto channel = RegisterFileHolder(handle_, premapped_, &counted)) {
       channel_ = std::move(channel);
-      attached_pid_ = shm::CurrentPid();
+      attached_pid_ = CurrentPid();
       premapped_.reset();  // (the attachment maps it)
     }
-    if (!counted) uncounted_in_ = shm::CurrentPid();  // (counted when it attaches)
+    if (!counted) uncounted_in_ = CurrentPid();  // (counted when it attaches)
   }
 
   ~FilePromise() override {
@@ -258,7 +255,7 @@ class FilePromise final : public PromiseBackend<T> {
   void Complete(Result<T> result) override {
     // Claimed by the parent of this forked child (whose fork handler fails what the parent had
     // pending): the completion is the parent's to publish.
-    if (claimed_in_ != shm::CurrentPid() || !delivers_) return;  // (not delivering: the pair is gone)
+    if (claimed_in_ != CurrentPid() || !delivers_) return;  // (not delivering: the pair is gone)
     const auto channel = Attach();
     if (!channel) return;
     if (!result.ok()) {
@@ -285,7 +282,7 @@ class FilePromise final : public PromiseBackend<T> {
       std::shared_ptr<shm::Segment> premapped;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (attached_pid_ == shm::CurrentPid()) channel = channel_;
+        if (attached_pid_ == CurrentPid()) channel = channel_;
         premapped = premapped_;
       }
       // (Counted without attaching: serializing uses nothing of the pair.)
@@ -324,7 +321,7 @@ class FilePromise final : public PromiseBackend<T> {
                         "producer that died)");
     }
     delivers_ = outcome == ClaimOutcome::kClaimed;  // (else the pair is gone: a no-op)
-    claimed_in_ = shm::CurrentPid();
+    claimed_in_ = CurrentPid();
   }
 
  private:
@@ -333,7 +330,7 @@ class FilePromise final : public PromiseBackend<T> {
   // Attaching (syscalls, the promise's interprocess lock) runs outside mu_: a fork meanwhile
   // must not leave mu_ held in the child.
   std::shared_ptr<FileChannel> Attach() const {
-    const int32_t pid = shm::CurrentPid();
+    const int32_t pid = CurrentPid();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (attached_pid_ == pid) return channel_;
@@ -367,29 +364,6 @@ class FilePromise final : public PromiseBackend<T> {
   mutable int32_t attached_pid_ = 0;               // guarded by mu_: 0 until attached
   mutable std::shared_ptr<FileChannel> channel_;   // guarded by mu_
   mutable std::shared_ptr<shm::Segment> premapped_;  // guarded by mu_: until the first attach
-};
-
-// The codec of completion-only pairs (VoidPromise): no header, no payload.
-class UnitCodec final : public ValueCodec<Unit> {
- public:
-  std::string_view TypeName() const override { return "void"; }
-  void CheckValue(const Unit&) const override {}
-  std::string Header(const Unit&, size_t* payload_bytes) const override {
-    *payload_bytes = 0;
-    return {};
-  }
-  void WritePayload(const Unit&, void*, size_t) const override {}
-  size_t PayloadBytes(std::string_view header) const override {
-    if (!header.empty()) throw FutureError(FutureErrc::kInvalidHandle, "a void value with a header");
-    return 0;
-  }
-  Unit Read(std::string_view header, void*, size_t payload_bytes,
-            std::shared_ptr<void>) const override {
-    if (!header.empty() || payload_bytes != 0) {
-      throw FutureError(FutureErrc::kInvalidHandle, "a void value with a header or payload");
-    }
-    return {};
-  }
 };
 
 }  // namespace dtorch::core

@@ -19,15 +19,16 @@
 #include <unordered_set>
 #include <utility>
 
-#include "file_kind.h"  // AttachTimeoutMs: one attach deadline for both kinds
-#include "fork_generation.h"
+#include "attach_deadline.h"
+#include "base/clock.h"
+#include "base/process.h"
+#include "base/random.h"
+#include "base/fork_generation.h"
 #include "kind_registry.h"
-#include "shm_segment.h"  // RandomBytes, HexOf, CurrentPid
 
 namespace dtorch::core {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 constexpr char kKeyPrefix[] = "dtorch/n/";
@@ -89,8 +90,8 @@ const bool fork_counter_installed = [] {
 
 std::string NewId() {
   unsigned char bytes[kIdHexDigits / 2];
-  shm::RandomBytes(bytes, sizeof(bytes));
-  return shm::HexOf(bytes, sizeof(bytes));
+  RandomBytes(bytes, sizeof(bytes));
+  return HexOf(bytes, sizeof(bytes));
 }
 
 bool IsId(std::string_view s) {
@@ -353,7 +354,7 @@ const std::string& HostName() {
 
 uint64_t ThisPidNamespace() {
   try {
-    return shm::Self().pid_namespace;
+    return Self().pid_namespace;
   } catch (...) {
     return 0;
   }
@@ -364,7 +365,7 @@ HolderInfo ThisHolder(bool deserialized, const std::string& attachment) {
   HolderInfo info;
   info.deserialized = deserialized;
   info.attachment = attachment;
-  const shm::ProcessId self = shm::Self();
+  const ProcessId self = Self();
   info.pid = self.pid;
   info.start_time = self.start_time;
   info.pid_namespace = self.pid_namespace;
@@ -396,7 +397,7 @@ std::string EncodeIdentity() {
 // The process `text` names when it is this user's and runs on this kernel in this pid namespace
 // (another user's may be hidden from /proc: hidepid); nullopt when it runs elsewhere or `text` is
 // no identity (read from the store: untrusted).
-std::optional<shm::ProcessId> LocalProcessOf(std::string_view text) {
+std::optional<ProcessId> LocalProcessOf(std::string_view text) {
   uint64_t fields[4] = {};
   size_t pos = 0;
   for (uint64_t& field : fields) {
@@ -412,7 +413,7 @@ std::optional<shm::ProcessId> LocalProcessOf(std::string_view text) {
       fields[3] != ThisPidNamespace()) {
     return std::nullopt;
   }
-  return shm::ProcessId{static_cast<int32_t>(fields[1]), fields[2], fields[3]};
+  return ProcessId{static_cast<int32_t>(fields[1]), fields[2], fields[3]};
 }
 
 // 'V': u8 status (0 value, 1 error) | u32 error code | u64 payload bytes | u32 chunks |
@@ -770,7 +771,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::map<std::string, Liveness> consumers_liveness_;  // guarded by mu_: as a producer
   // guarded by mu_: as a producer, the consumers' processes on this kernel, by store id (nullopt:
   // elsewhere, or no identity)
-  std::map<std::string, std::optional<shm::ProcessId>> consumer_processes_;
+  std::map<std::string, std::optional<ProcessId>> consumer_processes_;
   std::mutex cleanup_mu_;          // held by CleanUpForConsumers (not with mu_)
   bool identity_tried_ = false;    // guarded by mu_: as a consumer
   bool identity_written_ = false;  // guarded by mu_: as a consumer
@@ -887,7 +888,7 @@ class ConsumerImpl final : public NetworkConsumer,
     std::string attachment;  // its latest attachment's id ("" when not known)
     int32_t pid = 0;     // 0: not known
     std::string host;    // its host's name when it is not this one
-    std::optional<shm::ProcessId> local;  // on this kernel: checked by pid, not by heartbeat
+    std::optional<ProcessId> local;  // on this kernel: checked by pid, not by heartbeat
   };
 
   // On the session's threads. Each message that changes what the tick decides from (a holder,
@@ -904,7 +905,7 @@ class ConsumerImpl final : public NetworkConsumer,
       if (!info->boot_id.empty() && info->boot_id == BootId() &&
           info->pid_namespace == ThisPidNamespace()) {
         // (A process of another pid namespace cannot be checked from here: its heartbeat.)
-        holder.local = shm::ProcessId{info->pid, info->start_time, info->pid_namespace};
+        holder.local = ProcessId{info->pid, info->start_time, info->pid_namespace};
       } else if (info->boot_id != BootId()) {
         holder.host = info->host.empty() ? "another host" : info->host;
       }
@@ -1147,10 +1148,6 @@ void Unregister(const Session* session) {
   std::lock_guard<std::mutex> lock(reg.mu);
   auto it = reg.sessions.find(session->address());
   if (it != reg.sessions.end() && it->second.get() == session) reg.sessions.erase(it);
-}
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<milliseconds>(Clock::now().time_since_epoch()).count();
 }
 
 // ---- Session ----
@@ -1634,7 +1631,7 @@ void Session::CheckProducers(Clock::time_point now) {
   // The producers the pairs in flight wait for.
   std::vector<std::shared_ptr<ConsumerImpl>> consumers = LiveConsumers();
   // By store id: the process itself where it runs on this kernel (checked by pid: at once).
-  std::map<std::string, std::optional<shm::ProcessId>> watched;
+  std::map<std::string, std::optional<ProcessId>> watched;
   for (auto& c : consumers) {
     if (c->Settled()) continue;
     for (auto& [id, holder] : c->LiveProducers()) {
@@ -1661,7 +1658,7 @@ void Session::CheckProducers(Clock::time_point now) {
     // stood still for two ticks (the pid came in an attach message: a forged one naming a live
     // process's id with a dead pid must not make it gone).
     const std::optional<bool> local_alive =
-        local ? std::optional<bool>(shm::IsAlive(*local)) : std::nullopt;
+        local ? std::optional<bool>(IsAlive(*local)) : std::nullopt;
     std::lock_guard<std::mutex> lock(mu_);
     Liveness& l = producers_liveness_[id];
     const auto gone_as = [&] {
@@ -1801,7 +1798,7 @@ void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
 }
 
 bool Session::ConsumerGoneHere(const std::string& consumer) {
-  std::optional<shm::ProcessId> process;
+  std::optional<ProcessId> process;
   bool known;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1817,7 +1814,7 @@ bool Session::ConsumerGoneHere(const std::string& consumer) {
     std::lock_guard<std::mutex> lock(mu_);
     consumer_processes_[consumer] = process;
   }
-  return process && !shm::IsAlive(*process);
+  return process && !IsAlive(*process);
 }
 
 void Session::Stop() noexcept {

@@ -9,12 +9,12 @@
 #include <utility>
 #include <vector>
 
+#include "base/clock.h"
 #include "future_error.h"
 
 namespace dtorch::core::payload {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kTrailerMagic = 0x3170706863726f74ULL;  // "torchpp1" (little-endian)
 constexpr uint64_t kTrailerBytes = 4096;  // one page: the data before it stays page-aligned
@@ -83,7 +83,7 @@ struct ProducedSegment {
 };
 
 struct ConsumerPool {
-  shm::ProcessId consumer;
+  ProcessId consumer;
   std::vector<std::shared_ptr<ProducedSegment>> segments;
   std::vector<uint64_t> creating;  // capacities of pooled segments being made (counted in)
 };
@@ -93,7 +93,7 @@ struct ConsumerPool {
 struct ReceivedSegment {
   std::shared_ptr<shm::Segment> segment;
   std::string name;
-  shm::ProcessId producer;
+  ProcessId producer;
   bool pooled = false;
   int32_t receiver_pid = 0;     // a forked child's copy of a view frees nothing
   bool cached = false;          // guarded by State::mu: in State::received
@@ -104,7 +104,7 @@ struct ReceivedSegment {
 struct Held {
   std::shared_ptr<ProducedSegment> segment;  // (mapped while held: its trailer tells)
   uint64_t sequence = 0;
-  shm::ProcessId consumer;
+  ProcessId consumer;
   std::shared_ptr<void> object;
 };
 
@@ -122,7 +122,7 @@ State* state = new State();
 class LeaseImpl final : public Lease {
  public:
   LeaseImpl(std::shared_ptr<ProducedSegment> produced, uint64_t sequence, bool fresh, bool pooled,
-            shm::ProcessId consumer)
+            ProcessId consumer)
       : produced_(std::move(produced)),
         sequence_(sequence),
         fresh_(fresh),
@@ -181,7 +181,7 @@ class LeaseImpl final : public Lease {
   const uint64_t sequence_;  // this lease's value
   const bool fresh_;
   const bool pooled_;
-  const shm::ProcessId consumer_;
+  const ProcessId consumer_;
   bool published_ = false;
 };
 
@@ -195,7 +195,7 @@ uint64_t ClassCapacity(uint64_t bytes) {
   return (bytes + step - 1) / step * step;
 }
 
-std::unique_ptr<Lease> Acquire(const shm::ProcessId& consumer, uint64_t bytes,
+std::unique_ptr<Lease> Acquire(const ProcessId& consumer, uint64_t bytes,
                                const std::function<void(const std::string&)>& before_create) {
   const uint64_t capacity = ClassCapacity(bytes);
   bool pooled = false;
@@ -257,7 +257,7 @@ std::unique_ptr<Lease> Acquire(const shm::ProcessId& consumer, uint64_t bytes,
     throw;
   }
   auto* t = new (TrailerOf(*produced->segment)) Trailer();
-  const auto self = shm::Self();
+  const auto self = Self();
   t->capacity = produced->capacity;
   t->producer_pid = self.pid;
   t->producer_start = self.start_time;
@@ -296,11 +296,11 @@ Received Receive(const std::string& name, uint64_t sequence, uint64_t bytes) {
     }
     shm::Unlink(name);  // mapped here and by its producer: the name is no longer needed
     entry = std::make_shared<ReceivedSegment>();
-    entry->producer = shm::InThisNamespace(t->producer_pid, t->producer_start);
+    entry->producer = InThisNamespace(t->producer_pid, t->producer_start);
     entry->pooled = t->pooled != 0;  // (read once: the producer can write the trailer anytime)
     entry->segment = std::move(segment);
     entry->name = name;
-    entry->receiver_pid = shm::CurrentPid();
+    entry->receiver_pid = CurrentPid();
   }
   Trailer* t = TrailerOf(*entry->segment);
   if (bytes > entry->segment->size() - kTrailerBytes) throw corrupt("is smaller than the value");
@@ -317,7 +317,7 @@ Received Receive(const std::string& name, uint64_t sequence, uint64_t bytes) {
   }
   // The view's end: free for the producer's next value, unless either side gave it up.
   std::shared_ptr<void> keep_alive(entry.get(), [entry, sequence](void*) {
-    if (shm::CurrentPid() != entry->receiver_pid) return;
+    if (CurrentPid() != entry->receiver_pid) return;
     Trailer* t = TrailerOf(*entry->segment);
     State* s = state;
     std::lock_guard<std::mutex> lock(s->mu);
@@ -348,7 +348,7 @@ void Discard(const std::string& name) noexcept {
   state->received.erase(it);
 }
 
-bool Sweep(Clock::time_point now, const std::function<bool(const shm::ProcessId&)>& alive) {
+bool Sweep(Clock::time_point now, const std::function<bool(const ProcessId&)>& alive) {
   const auto idle = std::chrono::milliseconds(idle_ms.load());
   const int64_t idle_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(idle).count();
   std::vector<std::shared_ptr<ProducedSegment>> dropped_produced;  // unmapped outside mu

@@ -70,7 +70,7 @@ class Lease {
 // in which case `before_create(name)` is called first (the producer records the name where the
 // consumer will find it if this process dies before publishing). Throws FutureError(kSharedMemory)
 // when no segment can be made.
-std::unique_ptr<Lease> Acquire(const shm::ProcessId& consumer, uint64_t bytes,
+std::unique_ptr<Lease> Acquire(const ProcessId& consumer, uint64_t bytes,
                                const std::function<void(const std::string&)>& before_create);
 
 // What the consumer received: `data` stays valid while `keep_alive` lives; when it goes, the
@@ -93,7 +93,7 @@ void Discard(const std::string& name) noexcept;
 // Retires what has been idle for IdleMs() and what belongs to dead peers (`alive` tells);
 // returns whether this process still keeps any segment (the watcher runs while AnyKept()).
 bool Sweep(std::chrono::steady_clock::time_point now,
-           const std::function<bool(const shm::ProcessId&)>& alive);
+           const std::function<bool(const ProcessId&)>& alive);
 bool AnyKept();
 
 // Segments kept by this process: as producer (pooled) and as consumer (mapped for reuse).

@@ -1,6 +1,6 @@
 #include "ready_notifier.h"
 
-#include "fork_generation.h"
+#include "base/fork_generation.h"
 
 #include <sys/eventfd.h>
 #include <unistd.h>

@@ -42,7 +42,7 @@
 #include <string>
 #include <utility>
 
-#include "fork_generation.h"
+#include "base/fork_generation.h"
 #include "future_error.h"
 #include "result.h"
 

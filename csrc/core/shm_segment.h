@@ -1,5 +1,5 @@
-// Shared-memory segments, process identity and futexes for the kinds that cross processes
-// (torch-free; Linux).
+// Shared-memory segments and futexes of the file kind (torch-free; Linux). Process identity is
+// base/process.h.
 //
 // Segments are POSIX shared memory (Boost.Interprocess) named
 // "dtorch_<pid>-<start>-<pid namespace>_<32 hex>": the process the segment belongs to (so that
@@ -22,41 +22,13 @@
 #include <string>
 #include <string_view>
 
+#include "base/process.h"
+
 namespace boost::interprocess {
 class mapped_region;
 }
 
 namespace dtorch::core::shm {
-
-// A process, told apart from a later one that reuses its pid by its start time (clock ticks after
-// boot, /proc/<pid>/stat field 22), in a pid namespace (the inode of /proc/<pid>/ns/pid).
-struct ProcessId {
-  int32_t pid = 0;
-  uint64_t start_time = 0;
-  uint64_t pid_namespace = 0;
-  bool operator==(const ProcessId& other) const {
-    return pid == other.pid && start_time == other.start_time &&
-           pid_namespace == other.pid_namespace;
-  }
-};
-
-// getpid() without a system call on the hot paths: cached, and reset by the library's fork
-// handler in the child (ResetCurrentPidInForkChild, first thing).
-int32_t CurrentPid() noexcept;
-void ResetCurrentPidInForkChild() noexcept;
-
-// This process (recomputed after fork). Throws FutureError(kSharedMemory) if /proc cannot tell.
-ProcessId Self();
-// A process of this pid namespace.
-ProcessId InThisNamespace(int32_t pid, uint64_t start_time);
-// Whether `process` still runs: false only when it is known to be gone (no such pid, a zombie, or
-// another start time). A process of another pid namespace, or one /proc cannot tell about now
-// (out of file descriptors), counts as alive.
-bool IsAlive(const ProcessId& process);
-
-// Fills `out` with random bytes from the kernel (getrandom).
-void RandomBytes(void* out, size_t size);
-std::string HexOf(const void* bytes, size_t size);
 
 inline constexpr size_t kMaxSegmentNameBytes = 80;
 // A fresh name for a segment that belongs to `owner`.

@@ -1,5 +1,5 @@
-// ValueCodec<T>: how the kinds that cross processes write a value into shared memory and make a
-// value of what they read back (torch-free interface; the tensor codec is torch glue,
+// ValueCodec<T>: how the kinds that cross processes write a value out (into shared memory, or
+// bytes for the network) and make a value of what they read back (torch-free interface; the tensor codec is torch glue,
 // ops/tensor_codec.h), so that the transport itself never needs to know what a value is.
 //
 // A value travels as a header (at most kMaxValueHeaderBytes: a tensor's dtype, sizes, strides)
@@ -14,7 +14,13 @@
 #include <string>
 #include <string_view>
 
+#include <dtorch/types.h>  // Unit
+
+#include "future_error.h"
+
 namespace dtorch::core {
+
+using ::dtorch::Unit;
 
 inline constexpr size_t kMaxValueHeaderBytes = 1088;
 
@@ -43,6 +49,29 @@ class ValueCodec {
   // FutureError(kInvalidHandle) for anything out of bounds.
   virtual T Read(std::string_view header, void* payload, size_t payload_bytes,
                  std::shared_ptr<void> keep_alive) const = 0;
+};
+
+// The codec of completion-only pairs (VoidPromise), for every kind: no header, no payload.
+class UnitCodec final : public ValueCodec<Unit> {
+ public:
+  std::string_view TypeName() const override { return "void"; }
+  void CheckValue(const Unit&) const override {}
+  std::string Header(const Unit&, size_t* payload_bytes) const override {
+    *payload_bytes = 0;
+    return {};
+  }
+  void WritePayload(const Unit&, void*, size_t) const override {}
+  size_t PayloadBytes(std::string_view header) const override {
+    if (!header.empty()) throw FutureError(FutureErrc::kInvalidHandle, "a void value with a header");
+    return 0;
+  }
+  Unit Read(std::string_view header, void*, size_t payload_bytes,
+            std::shared_ptr<void>) const override {
+    if (!header.empty() || payload_bytes != 0) {
+      throw FutureError(FutureErrc::kInvalidHandle, "a void value with a header or payload");
+    }
+    return {};
+  }
 };
 
 }  // namespace dtorch::core

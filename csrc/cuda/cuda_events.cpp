@@ -22,7 +22,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "../core/fork_generation.h"
+#include "../core/base/fork_generation.h"
 #include "../ops/internal_api.h"
 
 namespace dtorch::cuda {

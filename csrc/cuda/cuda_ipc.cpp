@@ -15,7 +15,7 @@
 //   u32 handle length | the handle (torch's shareable handle: a format byte, 'c', and the 64-byte
 //   cudaIpcMemHandle_t; or the bare 64 bytes of older torch)
 // The producer is this process only if all three of pid, start time and pid namespace are this
-// process's (shm::Self()): a pid alone may be another pid namespace's process, or an exited one's.
+// process's (Self()): a pid alone may be another pid namespace's process, or an exited one's.
 // Neither the record's range nor its handle is trusted: the consumer checks the view against the
 // memory it actually maps (the driver's range of the opened allocation; in the producer's own
 // process, the range it exported under that handle).
@@ -52,7 +52,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "../core/completion_pool.h"
-#include "../core/shm_segment.h"
+#include "../core/base/process.h"
 #include "../ops/device_completion.h"
 #include "../ops/internal_api.h"
 
@@ -161,11 +161,11 @@ Record Decode(std::string_view bytes) {
   return r;
 }
 
-// This process's identity (shm::Self(): cached, recomputed in a fork child), as a c10::Error when
+// This process's identity (Self(): cached, recomputed in a fork child), as a c10::Error when
 // /proc cannot tell it.
-core::shm::ProcessId SelfId() {
+core::ProcessId SelfId() {
   try {
-    return core::shm::Self();
+    return core::Self();
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "dtorch: CUDA IPC: ", e.what());
   }
@@ -173,7 +173,7 @@ core::shm::ProcessId SelfId() {
 
 // Whether this process wrote `r`: its pid, start time and pid namespace are all this process's.
 bool FromThisProcess(const Record& r) {
-  const core::shm::ProcessId producer{r.pid, r.start_time, r.pid_namespace};
+  const core::ProcessId producer{r.pid, r.start_time, r.pid_namespace};
   return producer == SelfId();
 }
 
@@ -375,7 +375,7 @@ class CudaIpc final : public DeviceIpc {
                        static_cast<uint64_t>(block.element_size());
     TORCH_CHECK(start <= storage.nbytes(), "dtorch: CUDA IPC: the tensor starts past its storage");
     Record r;
-    const core::shm::ProcessId self = SelfId();
+    const core::ProcessId self = SelfId();
     r.pid = self.pid;
     r.start_time = self.start_time;
     r.pid_namespace = self.pid_namespace;

@@ -8,7 +8,7 @@
 #include "../core/completion_detectors.h"
 #include "../core/completion_pool.h"
 #include "../core/file_kind.h"
-#include "../core/fork_generation.h"
+#include "../core/base/fork_generation.h"
 #include "../core/kind_registry.h"
 #include "../core/network_kind.h"
 #include "../core/payload_pool.h"
@@ -123,7 +123,7 @@ void PostInOrder(std::function<void()> work) {
 }
 
 void StopLibraryThreads() { core::StopLibraryThreads(); }
-core::LibraryThreadCounts CountLibraryThreads() { return core::CountLibraryThreads(); }
+std::map<std::string, size_t> CountLibraryThreads() { return core::CountLibraryThreads(); }
 
 DetectorStats GetDetectorStats() {
   const auto& detectors = core::CompletionDetectors::Instance();
@@ -144,9 +144,7 @@ KeptPayloads KeptFilePayloads() {
 }
 
 void AtChildExit() {
-  core::MarkFileProducersExited();
-  core::MarkNetworkProducersExiting();
-  core::ReleaseIdleFileSegments();
+  core::EndingWithoutExitHandler();
 }
 
 void HoldFilePromiseLockForTesting(const std::string& serialized) {
@@ -177,23 +175,10 @@ at::Tensor DecodeTensorForTesting(const std::string& header, const std::string& 
   }
 }
 
-void SetMaxDetectorThreads(int64_t n) { core::CompletionDetectors::Instance().SetMaxThreads(n); }
-int64_t MaxDetectorThreads() { return core::CompletionDetectors::Instance().MaxThreads(); }
-void SetDetectorIdleExitMs(int64_t ms) { core::CompletionDetectors::Instance().SetIdleExitMs(ms); }
-int64_t DetectorIdleExitMs() { return core::CompletionDetectors::Instance().IdleExitMs(); }
-void SetPoolThreads(int64_t n) { core::CompletionPool::Instance().SetThreads(n); }
-int64_t PoolThreads() { return core::CompletionPool::Instance().Threads(); }
-void SetAttachTimeoutMs(int64_t ms) { core::SetAttachTimeoutMs(ms); }
-int64_t AttachTimeoutMs() { return core::AttachTimeoutMs(); }
-void SetNetworkHeartbeatTimeoutMs(int64_t ms) { core::SetNetworkHeartbeatTimeoutMs(ms); }
-int64_t NetworkHeartbeatTimeoutMs() { return core::NetworkHeartbeatTimeoutMs(); }
-void SetNetworkStoreTimeoutMs(int64_t ms) { core::SetNetworkStoreTimeoutMs(ms); }
-int64_t NetworkStoreTimeoutMs() { return core::NetworkStoreTimeoutMs(); }
+std::vector<core::Setting> AllSettings() { return core::AllSettings(); }
+int64_t GetSetting(const std::string& name) { return core::GetSetting(name); }
+void SetSetting(const std::string& name, int64_t value) { core::SetSetting(name, value); }
 size_t PendingNetworkPairs() { return core::PendingNetworkPairs(); }
-void SetPayloadIdleMs(int64_t ms) { core::payload::SetIdleMs(ms); }
-int64_t PayloadIdleMs() { return core::payload::IdleMs(); }
-void SetExitTimeoutMs(int64_t ms) { core::SetExitTimeoutMs(ms); }
-int64_t ExitTimeoutMs() { return core::ExitTimeoutMs(); }
 
 }  // namespace internal
 }  // namespace dtorch

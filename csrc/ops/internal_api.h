@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -15,7 +16,8 @@
 
 #include <dtorch/dtorch.h>
 
-#include "../core/library_threads.h"
+#include "../core/lifecycle.h"
+#include "../core/settings.h"
 #include "device_completion.h"
 #include "runtime_hooks.h"
 
@@ -145,13 +147,14 @@ DTORCH_INTERNAL_API std::function<void()> FailAfter(const c10::intrusive_ptr<Voi
 DTORCH_INTERNAL_API c10::intrusive_ptr<TensorListFuture> FailedTensorListFuture(
     const std::string& message);
 
-// ---- Threads, fork and exit (core/library_threads.h, core/completion_pool.h).
+// ---- Threads, fork and exit (core/lifecycle.h, core/completion_pool.h).
 DTORCH_INTERNAL_API uint64_t ForkGeneration();
 // Runs `work` on the pool, one at a time and in posting order (one strand, made again in a fork
 // child).
 DTORCH_INTERNAL_API void PostInOrder(std::function<void()> work);
 DTORCH_INTERNAL_API void StopLibraryThreads();
-DTORCH_INTERNAL_API core::LibraryThreadCounts CountLibraryThreads();
+// Threads of each lifecycle participant, by its name.
+DTORCH_INTERNAL_API std::map<std::string, size_t> CountLibraryThreads();
 struct DetectorStats {
   size_t threads = 0;
   size_t pending = 0;
@@ -176,8 +179,8 @@ struct KeptPayloads {
 };
 DTORCH_INTERNAL_API KeptPayloads KeptFilePayloads();
 // In a child process about to exit without the library's exit handler (multiprocessing's fork
-// start): the consumers of its file and network promises read "producer exited" once it is
-// gone, and its doorbell goes if nothing is pending.
+// start): every lifecycle participant's ending_without_exit_handler (the consumers of its
+// cross-process promises then read "producer exited" once it is gone).
 DTORCH_INTERNAL_API void AtChildExit();
 // Takes the interprocess lock of the serialized file promise and never returns.
 [[noreturn]] DTORCH_INTERNAL_API void HoldFilePromiseLockForTesting(const std::string& serialized);
@@ -191,23 +194,11 @@ DTORCH_INTERNAL_API at::Tensor DecodeTensorForTesting(const std::string& header,
                                                       const std::string& payload,
                                                       const std::string& value_options);
 
-// ---- Settings (dtorch_ops.config). Setters throw std::invalid_argument for values out of range.
-DTORCH_INTERNAL_API void SetMaxDetectorThreads(int64_t n);
-DTORCH_INTERNAL_API int64_t MaxDetectorThreads();
-DTORCH_INTERNAL_API void SetDetectorIdleExitMs(int64_t ms);
-DTORCH_INTERNAL_API int64_t DetectorIdleExitMs();
-DTORCH_INTERNAL_API void SetPoolThreads(int64_t n);
-DTORCH_INTERNAL_API int64_t PoolThreads();
-DTORCH_INTERNAL_API void SetAttachTimeoutMs(int64_t ms);
-DTORCH_INTERNAL_API int64_t AttachTimeoutMs();
-DTORCH_INTERNAL_API void SetNetworkHeartbeatTimeoutMs(int64_t ms);
-DTORCH_INTERNAL_API int64_t NetworkHeartbeatTimeoutMs();
-DTORCH_INTERNAL_API void SetNetworkStoreTimeoutMs(int64_t ms);
-DTORCH_INTERNAL_API int64_t NetworkStoreTimeoutMs();
-DTORCH_INTERNAL_API void SetPayloadIdleMs(int64_t ms);
-DTORCH_INTERNAL_API int64_t PayloadIdleMs();
-DTORCH_INTERNAL_API void SetExitTimeoutMs(int64_t ms);
-DTORCH_INTERNAL_API int64_t ExitTimeoutMs();
+// ---- Settings (core/settings.h: the one table dtorch_ops.config is built from). SetSetting
+// throws std::invalid_argument for a value out of range, std::out_of_range for an unknown name.
+DTORCH_INTERNAL_API std::vector<core::Setting> AllSettings();
+DTORCH_INTERNAL_API int64_t GetSetting(const std::string& name);
+DTORCH_INTERNAL_API void SetSetting(const std::string& name, int64_t value);
 
 }  // namespace internal
 }  // namespace dtorch

@@ -844,12 +844,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("stop_library_threads", &internal::StopLibraryThreads,
         py::call_guard<py::gil_scoped_release>());
   m.def("library_threads", [] {
-    const auto counts = internal::CountLibraryThreads();
     py::dict threads;
-    threads["detectors"] = counts.detectors;
-    threads["pool"] = counts.pool;
-    threads["doorbell"] = counts.doorbell;
-    threads["network"] = counts.network;
+    for (const auto& [name, count] : internal::CountLibraryThreads()) threads[name.c_str()] = count;
     return threads;
   });
   // Whether this build opens `device_type`'s memory of other processes (CUDA: built with it).
@@ -895,24 +891,24 @@ PYBIND11_MODULE(_C, m) {
     return stats;
   });
 
-  // Settings (dtorch_ops.config); std::invalid_argument and std::logic_error reach Python as
-  // ValueError and RuntimeError.
-  m.def("set_max_detector_threads", &internal::SetMaxDetectorThreads);
-  m.def("max_detector_threads", &internal::MaxDetectorThreads);
-  m.def("set_detector_idle_exit_ms", &internal::SetDetectorIdleExitMs);
-  m.def("detector_idle_exit_ms", &internal::DetectorIdleExitMs);
-  m.def("set_pool_threads", &internal::SetPoolThreads);
-  m.def("pool_threads", &internal::PoolThreads);
-  m.def("set_attach_timeout_ms", &internal::SetAttachTimeoutMs);
-  m.def("attach_timeout_ms", &internal::AttachTimeoutMs);
-  m.def("set_network_heartbeat_timeout_ms", &internal::SetNetworkHeartbeatTimeoutMs);
-  m.def("network_heartbeat_timeout_ms", &internal::NetworkHeartbeatTimeoutMs);
-  m.def("set_network_store_timeout_ms", &internal::SetNetworkStoreTimeoutMs);
-  m.def("network_store_timeout_ms", &internal::NetworkStoreTimeoutMs);
-  m.def("set_payload_idle_ms", &internal::SetPayloadIdleMs);
-  m.def("payload_idle_ms", &internal::PayloadIdleMs);
-  m.def("set_exit_timeout_ms", &internal::SetExitTimeoutMs);
-  m.def("exit_timeout_ms", &internal::ExitTimeoutMs);
+  // Settings: the one table (core/settings.h) dtorch_ops.config is built from; std::invalid_argument
+  // and std::logic_error reach Python as ValueError and RuntimeError.
+  m.def("settings", [] {
+    py::list table;
+    for (const auto& setting : internal::AllSettings()) {
+      py::dict entry;
+      entry["name"] = setting.name;
+      entry["unit"] = setting.unit == core::Setting::Unit::kSeconds ? "s" : "count";
+      entry["default"] = setting.default_value;
+      entry["minimum"] = setting.minimum;
+      entry["maximum"] = setting.maximum;
+      entry["doc"] = setting.doc;
+      table.append(entry);
+    }
+    return table;
+  });
+  m.def("get_setting", &internal::GetSetting, py::arg("name"));
+  m.def("set_setting", &internal::SetSetting, py::arg("name"), py::arg("value"));
 }
 
 }  // namespace dtorch::python

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -23,13 +24,15 @@
 #include <condition_variable>
 #include <fstream>
 
+#include "core/attach_deadline.h"
 #include "core/completion_detectors.h"
 #include "core/completion_pool.h"
 #include "core/file_kind.h"
 #include "core/payload_pool.h"
-#include "core/fork_generation.h"
+#include "core/base/fork_generation.h"
 #include "core/kind_registry.h"
-#include "core/library_threads.h"
+#include "core/lifecycle.h"
+#include "core/settings.h"
 #include "core/promise_future.h"
 #include "core/ready_notifier.h"
 
@@ -940,7 +943,45 @@ static void TestStopAtExit() {
   ++g_passed;
 }
 
+// The settings table: every entry's documented minimum is its setter's (one below is refused,
+// the minimum taken), names are unique, and each participant of the lifecycle is counted.
+void TestSettingsTable() {
+  const auto settings = AllSettings();
+  CHECK(settings.size() >= 8);
+  std::set<std::string> names;
+  for (const auto& setting : settings) {
+    CHECK(names.insert(setting.name).second);
+    CHECK(!setting.doc.empty() && setting.get && setting.set);
+    CHECK(setting.minimum <= setting.default_value && setting.default_value <= setting.maximum);
+    const int64_t saved = GetSetting(setting.name);
+    CHECK(saved == setting.default_value);
+    bool refused = false;
+    try {
+      SetSetting(setting.name, setting.minimum - 1);
+    } catch (const std::invalid_argument&) {
+      refused = true;
+    }
+    CHECK(refused);
+    SetSetting(setting.name, setting.minimum);
+    CHECK(GetSetting(setting.name) == setting.minimum);
+    SetSetting(setting.name, saved);
+  }
+  bool unknown = false;
+  try {
+    GetSetting("no_such_setting");
+  } catch (const std::out_of_range&) {
+    unknown = true;
+  }
+  CHECK(unknown);
+  const auto threads = CountLibraryThreads();
+  for (const char* name : {"detectors", "pool", "doorbell", "network"}) {
+    CHECK(threads.count(name) == 1);
+  }
+  ++g_passed;
+}
+
 int main() {
+  TestSettingsTable();
   TestReadyNotifier();
   TestValueAndConsume();
   TestSetTwiceKeepsFirst();
