@@ -40,7 +40,7 @@ def _make(device, backend, mode):
         return loss, None
 
     # (Before torch 2.12 the host copy's future is made at a graph break.)
-    in_graph = not host_copy or dtorch_ops.futures._graph is not None
+    in_graph = not host_copy or dtorch_ops.compile.graph_ops.defined_ops is not None
     compiled = torch.compile(forward, fullgraph=in_graph, backend=backend)
     x = torch.randn(256, 512, device=device)
     y = torch.randn(256, 1, device=device)
@@ -134,15 +134,15 @@ class _WithoutOpaqueTypes:
     """Runs the code as a torch without opaque types does: the raw op and a graph break."""
 
     def __enter__(self):
-        self._saved = dtorch_ops.futures._graph
-        dtorch_ops.futures._graph = None
+        self._saved = dtorch_ops.compile.graph_ops.defined_ops
+        dtorch_ops.compile.graph_ops.defined_ops = None
 
     def __exit__(self, *exc):
-        dtorch_ops.futures._graph = self._saved
+        dtorch_ops.compile.graph_ops.defined_ops = self._saved
 
 
 def main_future_in_graph(report, rounds=7, calls=300, backend="inductor"):
-    if dtorch_ops.futures._graph is None:
+    if dtorch_ops.compile.graph_ops.defined_ops is None:
         print(f"\nfuture created in a compiled step: skipped (torch {torch.__version__} has no "
               "opaque types; compiled code takes the graph-break fallback)")
         return

@@ -372,7 +372,7 @@ def memory(pending):
     del pairs, futures
     gc.collect()
     release_ms = (time.perf_counter() - t0) * 1e3
-    doorbell = dtorch_ops._C.file_doorbell_segment()
+    doorbell = dtorch_ops._C.diagnostics()["doorbell"]["doorbell_segment"]
     deadline = time.monotonic() + 5
     while True:
         left = {n for n in _own_segments() if n != doorbell}

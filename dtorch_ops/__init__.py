@@ -78,7 +78,7 @@ class _MultiprocessingChildExit:
         # them are held here from now on (as unpickling makes a spawned child their holder), so
         # that a child that dies before it uses one fails its future at once.
         process = multiprocessing.current_process()
-        from .futures import _register_holders
+        from .promises import _register_holders
 
         _register_holders(getattr(process, "_args", ()))
         _register_holders(getattr(process, "_kwargs", {}))
@@ -100,25 +100,26 @@ from .futures import (  # noqa: E402
     ObjectFuture,
     TensorFuture,
     TensorListFuture,
-    TensorPromise,
     VoidFuture,
     VoidFutureCollect,
-    VoidPromise,
-    collect_all,
+)
+from .promises import TensorPromise, VoidPromise  # noqa: E402
+from .kind_options import promise_kind_for  # noqa: E402
+from .waiting import as_completed, collect_all, wait_all, wait_any  # noqa: E402
+from .functions import (  # noqa: E402
     get_tensor,
-    as_completed,
-    promise_kind_for,
     run_into,
     sync,
     sync_async,
     sync_into,
     to_torch,
     to_torch_async,
-    wait_all,
-    wait_any,
 )
-# After futures (which defines the Python ops that _fake's lowerings and DTensor rules cover).
+# The future and promise classes as opaque types, and the Python ops over them (graph_ops).
+from .compile import opaque_types as _opaque_types  # noqa: E402,F401
 from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
+# Inductor's lowerings and the DTensor rules (of the Python ops too), when those are imported.
+from .compile import lowerings as _lowerings  # noqa: E402,F401
 
 
 def library_threads() -> dict:

@@ -126,7 +126,7 @@ def consumer_segments() -> set:
     for their consumer); not its doorbell, which lives while pairs are pending, and a while
     after."""
     mine = f"dtorch_{os.getpid()}-"
-    doorbell = dtorch_ops._C.file_doorbell_segment()
+    doorbell = dtorch_ops._C.diagnostics()["doorbell"]["doorbell_segment"]
     return {name for name in os.listdir("/dev/shm") if name.startswith(mine) and name != doorbell}
 
 

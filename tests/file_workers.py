@@ -20,6 +20,16 @@ CHILD_LIFETIME_S = 120
 _KEPT = []
 
 
+def kept_payloads() -> dict:
+    """The payload segments this process keeps (the file kind's diagnostics: produced, received,
+    produced_bytes, received_bytes)."""
+    import dtorch_ops
+
+    return {name[len("kept_"):]: value
+            for name, value in dtorch_ops._C.diagnostics()["doorbell"].items()
+            if name.startswith("kept_")}
+
+
 def linger() -> None:
     """Waits (bounded) for the test to kill this process."""
     time.sleep(CHILD_LIFETIME_S)
@@ -190,7 +200,7 @@ def serve_values(conn) -> None:
         and the promise attached already) and ("set", i, seconds the set took) after it;
     ("set_threads", [...], n): sets them from n threads at once (each its share, in order),
         then replies ("done", count);
-    ("kept",): replies (kept_file_payloads(), library_threads(), dtorch mappings);
+    ("kept",): replies (kept_payloads(), library_threads(), dtorch mappings);
     ("idle", seconds): sets config.file_payload_idle_s, replies "ok";
     None: returns."""
     die_with_parent()
@@ -238,7 +248,7 @@ def serve_values(conn) -> None:
                 thread.join()
             conn.send(("done", len(values)))
         elif request[0] == "kept":
-            conn.send((dtorch_ops._C.kept_file_payloads(), dtorch_ops.library_threads(),
+            conn.send((kept_payloads(), dtorch_ops.library_threads(),
                        _payload_mappings()))
         elif request[0] == "idle":
             dtorch_ops.config.file_payload_idle_s = request[1]

@@ -1,5 +1,5 @@
 """Messages of the network kind's wire format, forged as a hostile store client would write them
-(network_kind.cc: Decode), and the process that floods a consumer's queue with them
+(csrc/core/kinds/network/messages.cc: Decode), and the process that floods a consumer's queue with them
 (test_network_forged.py, benchmarks/bench_network.py). Byte order: the host's (little-endian
 here), as the kind writes its messages."""
 import datetime

@@ -189,7 +189,7 @@ def drop(name: str) -> None:
 
 
 def pending_network_pairs() -> int:
-    return dtorch_ops._C.pending_network_pairs()
+    return dtorch_ops._C.diagnostics()["network"]["pending_pairs"]
 
 
 # ---- the store server the test kills ------------------------------------------------------------

@@ -201,13 +201,13 @@ def test_event_loops_do_not_leak_file_descriptors():
 
 
 def test_one_notifier_serves_many_awaits_in_a_loop():
-    from dtorch_ops import futures
+    from dtorch_ops import _waker
 
     async def main():
         promises = [dtorch_ops.TensorPromise() for _ in range(20)]
         tasks = [asyncio.ensure_future(p.get_future()) for p in promises]
         await asyncio.sleep(0.01)
-        waker = futures._loop_wakers[asyncio.get_running_loop()]
+        waker = _waker._loop_wakers[asyncio.get_running_loop()]
         assert len(waker.waiters) == 20
         for p in reversed(promises):  # completion order differs from await order
             p.set_value(torch.ones(1))
@@ -218,7 +218,7 @@ def test_one_notifier_serves_many_awaits_in_a_loop():
 
 
 def test_retried_timeouts_register_the_future_once():
-    from dtorch_ops import futures
+    from dtorch_ops import _waker
 
     promise = dtorch_ops.TensorPromise()
     future = promise.get_future()
@@ -227,7 +227,7 @@ def test_retried_timeouts_register_the_future_once():
         for _ in range(500):  # "wait with a timeout, then retry"
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(_awaited(future), 0.0005)
-        waker = futures._loop_wakers[asyncio.get_running_loop()]
+        waker = _waker._loop_wakers[asyncio.get_running_loop()]
         registered = len(waker.waiters)
         promise.set_value(torch.ones(1))
         return registered, await future, waker
@@ -243,7 +243,7 @@ async def _awaited(future):
 
 
 def test_a_loop_closed_with_pending_awaits_is_released():
-    from dtorch_ops import futures
+    from dtorch_ops import _waker
 
     promises = []
 
@@ -254,10 +254,10 @@ def test_a_loop_closed_with_pending_awaits_is_released():
         await asyncio.sleep(0.005)  # the await is pending when asyncio.run cancels it
 
     gc.collect()
-    before_fds, before_wakers = open_fds(), len(futures._loop_wakers)
+    before_fds, before_wakers = open_fds(), len(_waker._loop_wakers)
     for _ in range(20):
         asyncio.run(abandon())
     promises.clear()  # the pending callbacks (and the eventfds they hold) go with the promises
     gc.collect()
-    assert len(futures._loop_wakers) == before_wakers, "closed loops kept their wakers"
+    assert len(_waker._loop_wakers) == before_wakers, "closed loops kept their wakers"
     assert open_fds() - before_fds <= 2, "closed loops leaked file descriptors"

@@ -13,7 +13,7 @@ from conftest import WAIT_MS
 
 UTILS = ["test_schema", "test_autograd_registration", "test_faketensor"]
 GRAPH_OPS = pytest.mark.skipif(
-    dtorch_ops.futures._graph is None,
+    dtorch_ops.compile.graph_ops.defined_ops is None,
     reason=f"torch {torch.__version__} cannot return opaque objects from compiled graphs: compiled "
            "code falls back to a graph break "
            "(test_without_opaque_types_compiled_code_falls_back_to_a_graph_break)")
@@ -164,7 +164,7 @@ def test_compiled_step_logs_the_loss_without_graph_breaks(make_step, promise_kin
     assert get_tensor_at > loss_at
     aot = str(capture.aot_graphs[0].graph)
     # (A wrapper promise goes to the graph op taking it as an opaque object, where torch has it.)
-    opaque = promise_kind == "wrapper" and dtorch_ops.futures._graph is not None
+    opaque = promise_kind == "wrapper" and dtorch_ops.compile.graph_ops.defined_ops is not None
     op = "dtorch.get_tensor_opaque.default" if opaque else "dtorch.get_tensor.default"
     assert "with_effects" in aot and op in aot
 
@@ -237,7 +237,7 @@ def test_what_a_future_yields_when_the_graph_mutates_its_tensor_later(backend, s
     # Compiled (functionalized): an intermediate is captured as of the call; a graph input
     # mutated later in the graph shows the mutation (it is copied back into the input).
     # Eager: the future aliases the tensor, so it shows every later in-place change.
-    if step is _mutating_step_with_futures and dtorch_ops.futures._graph is None:
+    if step is _mutating_step_with_futures and dtorch_ops.compile.graph_ops.defined_ops is None:
         pytest.skip("this torch cannot return opaque objects from graphs")
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend=backend)
@@ -483,7 +483,7 @@ def _set_value_inside(x, promise):
                            r"in", False),
 ])
 def test_graph_breaks_name_the_form_that_compiles(fn, match, needs_graph_ops):
-    if needs_graph_ops and dtorch_ops.futures._graph is None:
+    if needs_graph_ops and dtorch_ops.compile.graph_ops.defined_ops is None:
         pytest.skip("this torch cannot return opaque objects from graphs")
     x = torch.ones(3)
     with pytest.raises(torch._dynamo.exc.Unsupported, match=match) as info:
@@ -746,7 +746,7 @@ def test_future_op_on_a_meta_tensor_says_why():
 def test_without_opaque_types_compiled_code_falls_back_to_a_graph_break(monkeypatch):
     # What torch versions without opaque types (or refusing our registrations) get: the raw ops,
     # a graph break, then they run eagerly.
-    monkeypatch.setattr(dtorch_ops.futures, "_graph", None)
+    monkeypatch.setattr(dtorch_ops.compile.graph_ops, "defined_ops", None)
 
     def f(x):
         return dtorch_ops.to_torch_async(x * 2), dtorch_ops.sync_async()

@@ -27,4 +27,4 @@ def test_core_cpp(tmp_path, monkeypatch):
            "ASAN_OPTIONS": "fast_unwind_on_malloc=0"}
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "core tests: 18 passed" in run.stdout
+    assert "core tests: 19 passed" in run.stdout

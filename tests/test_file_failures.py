@@ -1,5 +1,5 @@
 """Failure and safety behaviour of "file" promises: pairs across processes of one host, over
-POSIX shared memory (/dev/shm). The contract is the comment at the top of csrc/core/file_kind.h.
+POSIX shared memory (/dev/shm). The contract is the comment at the top of csrc/core/kinds/file/file_kind.h.
 
 Covered: producers that die (SIGKILL, os._exit), exit, or drop the promise without setting it; a
 producer killed while copying a large value or while holding the promise's interprocess lock; a
@@ -245,7 +245,7 @@ def nothing_left_in_shm(request):
 
     def leaked():
         # (This process's doorbell lives while it has pairs pending, and a while after.)
-        doorbell = {dtorch_ops._C.file_doorbell_segment()}
+        doorbell = {dtorch_ops._C.diagnostics()["doorbell"]["doorbell_segment"]}
         return names_owned_by(_child_pids | {os.getpid()}, shm_names() - before - doorbell)
 
     if not wait_until(lambda: not leaked(), CLEANUP_S):
@@ -577,7 +577,7 @@ def test_segments_are_private_to_the_user(producer):
 
     producer.call(file_workers.produce, tensor.serialize(), 5.0, 1024)
     assert wait_until(tensor_future.is_ready, WAIT_MS / 1000)
-    doorbell = dtorch_ops._C.file_doorbell_segment()  # (made anew if the last one went idle)
+    doorbell = dtorch_ops._C.diagnostics()["doorbell"]["doorbell_segment"]  # (made anew if the last one went idle)
     assert doorbell
     payloads = names_owned_by({os.getpid()}, shm_names() - before) - controls - {doorbell}
     assert len(payloads) == 1, sorted(payloads)  # the value's payload, named for the consumer
@@ -601,7 +601,7 @@ def test_segments_are_0600_whatever_the_umask(umask):
     saved_idle = dtorch_ops.config.file_payload_idle_s
     dtorch_ops.config.file_payload_idle_s = 0.0
     try:
-        assert wait_until(lambda: dtorch_ops._C.kept_file_payloads()["produced"] == 0, 5.0)
+        assert wait_until(lambda: dtorch_ops._C.diagnostics()["doorbell"]["kept_produced"] == 0, 5.0)
     finally:
         dtorch_ops.config.file_payload_idle_s = saved_idle
     before = shm_names()
@@ -613,7 +613,7 @@ def test_segments_are_0600_whatever_the_umask(umask):
         dtorch_ops.TensorPromise.from_serialized(promise.serialize()).set_value(value)
     finally:
         os.umask(old)
-    doorbell = {dtorch_ops._C.file_doorbell_segment()}  # (made now if there was none)
+    doorbell = {dtorch_ops._C.diagnostics()["doorbell"]["doorbell_segment"]}  # (made now if there was none)
     made = names_owned_by({os.getpid()}, shm_names() - before - doorbell)
     assert len(made) == 2, sorted(made)  # the control segment and the payload
     for name in made:
@@ -891,7 +891,7 @@ def test_2000_round_trips_leak_no_memory_fds_or_segments():
     gc.collect()
     assert rss_bytes() - rss < 20 << 20, f"RSS grew by {(rss_bytes() - rss) >> 20} MiB"
     assert open_fds() - fds < 10
-    assert wait_until(lambda: dtorch_ops._C.pending_file_pairs() == 0, CLEANUP_S)
+    assert wait_until(lambda: dtorch_ops._C.diagnostics()["doorbell"]["pending_pairs"] == 0, CLEANUP_S)
     assert not names_owned_by({os.getpid()}, shm_names() - before)
 
 
@@ -952,7 +952,7 @@ def test_10000_pending_futures_cost_at_most_one_thread():
     gc.collect()
     threads = thread_count()
     pairs = [file_pair() for _ in range(10_000)]
-    assert dtorch_ops._C.pending_file_pairs() >= 10_000
+    assert dtorch_ops._C.diagnostics()["doorbell"]["pending_pairs"] >= 10_000
     assert dtorch_ops.library_threads()["doorbell"] == 1
     assert thread_count() - threads <= 1
     assert len(names_owned_by({os.getpid()}, shm_names() - before)) == 10_000
@@ -960,7 +960,7 @@ def test_10000_pending_futures_cost_at_most_one_thread():
 
     del pairs
     gc.collect()
-    assert wait_until(lambda: dtorch_ops._C.pending_file_pairs() == 0, 10.0)
+    assert wait_until(lambda: dtorch_ops._C.diagnostics()["doorbell"]["pending_pairs"] == 0, 10.0)
     assert wait_until(lambda: not names_owned_by({os.getpid()}, shm_names() - before), 10.0)
 
 

@@ -1,4 +1,4 @@
-"""File promises reuse their payload segments (csrc/core/payload_pool.h): a producer process
+"""File promises reuse their payload segments (csrc/core/kinds/file/payload_pool.h): a producer process
 writes each value into a segment that it and the consumer keep mapped (and unlinked) from the
 first value on, once the consumer's view of the previous value in it is gone.
 
@@ -41,7 +41,7 @@ def dtorch_mappings(pid: int) -> int:
 
 
 def kept() -> dict:
-    return dtorch_ops._C.kept_file_payloads()
+    return file_workers.kept_payloads()
 
 
 def nothing_kept() -> bool:
@@ -65,7 +65,7 @@ class Server(Child):
             ("done", len(values))
 
     def kept(self) -> tuple:
-        """(kept_file_payloads(), library_threads(), dtorch mappings) of the producer."""
+        """(kept_payloads(), library_threads(), dtorch mappings) of the producer."""
         return self.request("kept")
 
     def set_idle(self, seconds: float) -> None:
@@ -90,7 +90,7 @@ def payload_setup():
     yield
     dtorch_ops.config.file_payload_idle_s = saved
     gc.collect()
-    doorbell = {dtorch_ops._C.file_doorbell_segment()}
+    doorbell = {dtorch_ops._C.diagnostics()["doorbell"]["doorbell_segment"]}
     assert wait_until(lambda: not names_owned_by({os.getpid()}, shm_names() - before - doorbell),
                       CLEANUP_S)
 
@@ -109,7 +109,7 @@ def file_pair():
 
 def named_payloads() -> set:
     """Segments named for this process in /dev/shm, other than its doorbell."""
-    doorbell = {dtorch_ops._C.file_doorbell_segment()}
+    doorbell = {dtorch_ops._C.diagnostics()["doorbell"]["doorbell_segment"]}
     return names_owned_by({os.getpid()}, shm_names()) - doorbell
 
 

@@ -397,7 +397,7 @@ def test_dtensor_gets_a_clear_error():
                  lambda: torch.ops.dtorch.get_tensor_async(d),
                  lambda: torch.ops.dtorch.get_tensor(d, promise.raw),
                  lambda: torch.compile(dtorch_ops.to_torch_async, backend="eager")(d)]
-        if dtorch_ops.futures._graph is not None:  # the op compiled code calls
+        if dtorch_ops.compile.graph_ops.defined_ops is not None:  # the op compiled code calls
             calls.append(lambda: torch.ops.dtorch.to_torch_async(d))
         for call in calls:
             with pytest.raises(TypeError, match=r"to_local\(\)"):

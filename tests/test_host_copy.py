@@ -18,7 +18,7 @@ from conftest import WAIT_MS
 
 # Where torch cannot return opaque objects from graphs (before 2.12), the future is made at a
 # graph break: the same tests then check the values.
-IN_GRAPH = dtorch_ops.futures._graph is not None
+IN_GRAPH = dtorch_ops.compile.graph_ops.defined_ops is not None
 
 
 def test_not_ready_while_the_stream_is_held_then_the_values(dev):
@@ -266,7 +266,7 @@ def test_traced_list_stand_in_raises_rather_than_yielding_nothing():
 
 def test_compiled_without_graph_ops_breaks_the_graph_and_copies(monkeypatch):
     # What a torch without opaque types gets: the raw op (a graph break), run eagerly.
-    monkeypatch.setattr(dtorch_ops.futures, "_graph", None)
+    monkeypatch.setattr(dtorch_ops.compile.graph_ops, "defined_ops", None)
     torch._dynamo.reset()
     try:
         compiled = torch.compile(lambda x: dtorch_ops.to_torch_async([x * 2], device="cpu"),

@@ -324,14 +324,14 @@ def test_a_future_inherited_by_a_forked_child_fails_there_at_once(store):
 def test_1000_futures_from_one_producer_leave_no_key(store, producer):
     gc.collect()
     pairs = [network_pair(store) for _ in range(1000)]
-    assert dtorch_ops._C.pending_network_pairs() >= 1000
+    assert dtorch_ops._C.diagnostics()["network"]["pending_pairs"] >= 1000
     assert dtorch_ops.library_threads()["network"] <= 2
     producer.call(network_workers.produce_many, [p.serialize() for p, _ in pairs])
     for i, pair in enumerate(pairs):
         assert torch.equal(pair[1].wait(WAIT_MS), torch.full((4,), float(i)))
     del pairs, pair
     gc.collect()
-    assert wait_until(lambda: dtorch_ops._C.pending_network_pairs() == 0, CLEANUP_S)
+    assert wait_until(lambda: dtorch_ops._C.diagnostics()["network"]["pending_pairs"] == 0, CLEANUP_S)
     assert wait_until(lambda: not leftover_keys(store), CLEANUP_S), leftover_keys(store)[:10]
 
 

@@ -67,7 +67,7 @@ def test_a_promise_makes_its_raw_object_on_first_use_where_compiled_code_takes_t
     promise = dtorch_ops.TensorPromise()
     # Compiled code passes the promise itself to a graph op where torch has opaque types (its
     # TorchScript object, ~290 B, is then made on first use); else the raw object, made now.
-    assert hasattr(promise, "_raw") == (dtorch_ops.futures._graph is None)
+    assert hasattr(promise, "_raw") == (dtorch_ops.compile.graph_ops.defined_ops is None)
     raw = promise.raw
     assert isinstance(raw, torch.ScriptObject) and promise.raw is raw
     raw.set_value(torch.ones(1))

@@ -77,7 +77,7 @@ def test_200_streams_use_at_most_the_cap_of_detectors(sim, settings, wait_mode, 
     streams = _held_streams(sim, 200)
     try:
         futures = _values_on(sim, streams, per_stream=3)
-        assert _C.detector_stats()["active_streams"] == 200
+        assert _C.diagnostics()["detectors"]["active_streams"] == 200
         # Every detector started for these streams is busy: exactly the cap, counted by name.
         assert detector_threads() == cap == dtorch_ops.library_threads()["detectors"]
         assert not any(f.is_ready() for fs in futures.values() for f, _ in fs)
@@ -87,7 +87,7 @@ def test_200_streams_use_at_most_the_cap_of_detectors(sim, settings, wait_mode, 
     for fs in futures.values():
         for future, expected in fs:
             assert torch.equal(future.wait(WAIT_MS).cpu(), torch.full((2,), expected))
-    assert _wait_until(lambda: _C.detector_stats()["pending"] == 0)
+    assert _wait_until(lambda: _C.diagnostics()["detectors"]["pending"] == 0)
     assert detector_threads() <= cap
 
 
@@ -121,10 +121,10 @@ def test_completions_of_a_stream_stay_in_order(sim, settings, wait_mode):
 
 def _settled_wakeups():
     """The detectors' notified wake-ups, once no wake-up (a setting's, say) is still on its way."""
-    count = _C.detector_stats()["notified_wakeups"]
+    count = _C.diagnostics()["detectors"]["notified_wakeups"]
     for _ in range(100):
         time.sleep(0.05)
-        latest = _C.detector_stats()["notified_wakeups"]
+        latest = _C.diagnostics()["detectors"]["notified_wakeups"]
         if latest == count:
             break
         count = latest
@@ -133,25 +133,25 @@ def _settled_wakeups():
 
 def test_a_submission_wakes_only_the_detector_it_goes_to(sim, settings):
     settings.detector_idle_exit_s = 60  # idle detectors stay for the test
-    assert _wait_until(lambda: _C.detector_stats()["pending"] == 0)
+    assert _wait_until(lambda: _C.diagnostics()["detectors"]["pending"] == 0)
     streams = _held_streams(sim, 4)  # four busy streams: four detectors, idle afterwards
     futures = _values_on(sim, streams, per_stream=1)
     for _, release in streams:
         release()
     for fs in futures.values():
         fs[0][0].wait(WAIT_MS)
-    assert _wait_until(lambda: _C.detector_stats()["active_streams"] == 0)
+    assert _wait_until(lambda: _C.diagnostics()["detectors"]["active_streams"] == 0)
     idle = detector_threads()
     assert idle >= 4
     before = _settled_wakeups()  # all are in their idle wait
     ((stream, release),) = _held_streams(sim, 1)
     with sim.using_stream(stream):
         futures = [dtorch_ops.to_torch_async(torch.ones(1, device="simdev"))]
-        assert _wait_until(lambda: _C.detector_stats()["notified_wakeups"] == before + 1)
+        assert _wait_until(lambda: _C.diagnostics()["detectors"]["notified_wakeups"] == before + 1)
         # More values on the now active stream wake nobody; no thread is started either.
         futures += [dtorch_ops.to_torch_async(torch.ones(1, device="simdev")) for _ in range(50)]
     time.sleep(0.05)
-    assert _C.detector_stats()["notified_wakeups"] == before + 1
+    assert _C.diagnostics()["detectors"]["notified_wakeups"] == before + 1
     assert detector_threads() == idle
     release()
     for future in futures:

@@ -435,7 +435,15 @@ const bool detectors_participate = RegisterParticipant({
     },
     [] { CompletionDetectors::Instance().PrepareFork(); },
     [] { CompletionDetectors::Instance().AfterForkInParent(); },
-    [] { CompletionDetectors::Instance().AfterForkInChild(); }, nullptr});
+    [] { CompletionDetectors::Instance().AfterForkInChild(); }, nullptr,
+    [] {
+      const auto& detectors = CompletionDetectors::Instance();
+      return Diagnostics{
+          {"threads", static_cast<int64_t>(detectors.ThreadCount())},
+          {"pending", static_cast<int64_t>(detectors.PendingCount())},
+          {"active_streams", static_cast<int64_t>(detectors.ActiveKeys())},
+          {"notified_wakeups", static_cast<int64_t>(detectors.NotifiedWakeups())}};
+    }});
 
 }  // namespace
 

@@ -1,8 +1,9 @@
-// The promise kinds and how to make them (torch-free): names in one place, and a registry mapping
-// each kind to its factory and deserializer.
+// The promise kinds and how to make them (torch-free): a registry mapping each kind's name to its
+// factory and deserializer, filled by the kinds themselves (ops/kinds.h), and the format of a
+// serialized promise.
 //
 // A kind spec is the kind's name, optionally followed by "://" and its options (the one string
-// TorchScript and C++ pass: "memory", "file", later "network://host:port"); Python passes the same
+// TorchScript and C++ pass: "memory", "file", "network://host:port"); Python passes the same
 // options as keyword arguments. A serialized promise is "dtorch-promise:<version>:<kind>:<rest>",
 // where <rest> belongs to the kind's deserializer.
 //
@@ -22,9 +23,12 @@
 
 namespace dtorch::core {
 
-inline constexpr std::string_view kMemoryKind = "memory";
-inline constexpr std::string_view kFileKind = "file";
-inline constexpr std::string_view kNetworkKind = "network";
+// What a kind is, for the code that chooses or describes kinds (how it works is the kind's own).
+struct KindInfo {
+  std::string name;  // in kind specs and serialized promises: lower-case letters
+  bool crosses_processes = false;  // its promise may be set in another process of the host
+  bool crosses_hosts = false;      // ... or on another host
+};
 
 inline constexpr std::string_view kSerializedMagic = "dtorch-promise";
 inline constexpr std::string_view kSerializedVersion = "1";

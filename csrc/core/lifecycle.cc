@@ -95,6 +95,14 @@ std::map<std::string, size_t> CountLibraryThreads() {
   return counts;
 }
 
+std::map<std::string, Diagnostics> LibraryDiagnostics() {
+  std::map<std::string, Diagnostics> all;
+  for (const auto& p : Snapshot()) {
+    if (p.diagnostics) all[p.name] = p.diagnostics();
+  }
+  return all;
+}
+
 void SetExitTimeoutMs(int64_t ms) {
   if (ms < 0) throw std::invalid_argument("the exit timeout must be >= 0 ms");
   exit_timeout_ms = std::min(ms, kMaxTimeoutMs);  // past it: never (clock arithmetic)

@@ -30,8 +30,12 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <variant>
 
 namespace dtorch::core {
+
+// A participant's diagnostics (for tests and debugging): named counts, or a name (a segment's).
+using Diagnostics = std::map<std::string, std::variant<int64_t, std::string>>;
 
 struct LifecycleParticipant {
   std::string name;  // its key in CountLibraryThreads ("detectors", "pool", "doorbell", ...)
@@ -43,12 +47,15 @@ struct LifecycleParticipant {
   std::function<void()> after_fork_in_parent;
   std::function<void()> after_fork_in_child;
   std::function<void()> ending_without_exit_handler;
+  std::function<Diagnostics()> diagnostics;
 };
 
 bool RegisterParticipant(LifecycleParticipant participant);
 
 // Threads of each participant now, by name.
 std::map<std::string, size_t> CountLibraryThreads();
+// The diagnostics of each participant that has some, by name.
+std::map<std::string, Diagnostics> LibraryDiagnostics();
 
 inline constexpr int64_t kDefaultExitTimeoutMs = 1000;
 // Throws std::invalid_argument when < 0.

@@ -1,6 +1,6 @@
 // Promise/future backends (torch-free): the pair of interfaces every kind implements, and the
-// in-process "memory" kind. Kinds that cross processes live in file_kind.h; kind_registry.h maps
-// kind names to their factories and deserializers.
+// in-process "memory" kind. Kinds that cross processes live in core/kinds/<name>/; kind_registry.h
+// maps kind names to their factories and deserializers (filled by ops/kinds/<name>.cpp).
 //
 // A PromiseBackend<T> is the producer's end, a FutureBackend<T> the consumer's. T is the value
 // carried (at::Tensor in the torch glue; Unit for completion-only signals). A completion is one
@@ -12,7 +12,8 @@
 // the backend, so a kind that crosses processes claims across processes.
 //
 // Lifetime: a promise destroyed before it was satisfied breaks its future: the waiter gets
-// FutureError(kBrokenPromise) instead of hanging (kinds that cross processes: file_kind.h).
+// FutureError(kBrokenPromise) instead of hanging (kinds that cross processes: also when every
+// process that held it is gone; see each kind's header).
 //
 // Thread-safety: all methods of both interfaces may be called from any thread.
 #pragma once
@@ -122,7 +123,7 @@ class PromiseBackend {
   // The kind's name, with static storage (handles keep the pointer).
   virtual const char* Kind() const = 0;
   // This process received the promise without deserializing it (a forked child's arguments):
-  // for the kinds that cross processes, it registers as a holder (file_kind.h), as deserializing
+  // for the kinds that cross processes, it registers as a holder (see each kind), as deserializing
   // does. Never throws; a no-op for the others.
   virtual void RegisterHolder() noexcept {}
 

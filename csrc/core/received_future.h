@@ -1,5 +1,5 @@
 // ReceivedFuture<T>: the future of the kinds whose value comes from another process as a codec's
-// header and a payload (file_kind.h, network_kind.h), read by a ValueCodec<T> (torch-free).
+// header and a payload (core/kinds/file, core/kinds/network), read by a ValueCodec<T> (torch-free).
 //
 // Receiving is destructive (the file kind unlinks what it received; the network kind's bytes are
 // taken from its state), so the future takes the value once, when it is first asked for (Get or

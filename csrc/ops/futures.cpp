@@ -10,35 +10,13 @@
 
 #include <c10/util/Exception.h>
 
-#include "../core/file_kind.h"
 #include "../core/kind_registry.h"
-#include "../core/network_kind.h"
 #include "errors.h"
 #include "get_tensor.h"
+#include "kinds.h"
 #include "runtime_hooks.h"
-#include "tensor_codec.h"
 
 namespace dtorch {
-
-CodedErrorBase::~CodedErrorBase() = default;
-
-void ThrowCoded(core::FutureErrc code, const std::string& message,
-                const core::ErrorOrigin& origin, const std::string& detail) {
-  switch (code) {
-    case core::FutureErrc::kCannotLeaveProcess:
-      // TypeError, as Python's own unpicklable objects raise (pickle's callers catch that one).
-      throw CodedError<c10::TypeError>(code, message);
-    case core::FutureErrc::kInvalidHandle:
-      throw CodedError<c10::ValueError>(code, message);
-    default: {
-      CodedError<c10::Error> error(code, message);
-      if (!origin.empty()) {
-        error.SetOrigin(origin.exception_type, detail, origin.traceback, origin.native);
-      }
-      throw error;
-    }
-  }
-}
 
 namespace {
 
@@ -79,144 +57,6 @@ void CheckTimeout(int64_t timeout_ms) {
 core::Deadline DeadlineIn(int64_t timeout_ms) {
   return std::chrono::steady_clock::now() +
          std::chrono::milliseconds(std::min(timeout_ms, core::kMaxTimeoutMs));
-}
-
-// The codecs of file pairs of T, from the options of a kind spec (a new pair) or of a serialized
-// promise (core/kind_registry.h).
-template <typename T>
-struct FileCodecs;
-template <>
-struct FileCodecs<at::Tensor> {
-  static std::shared_ptr<const TensorCodec> ForNewPair(std::string_view options) {
-    return TensorCodec::ForNewPair(options);
-  }
-  static std::shared_ptr<const TensorCodec> ForSerialized(std::string_view value_options) {
-    return TensorCodec::ForSerialized(value_options);
-  }
-  static std::string_view OptionsOf(const TensorCodec& codec) { return codec.Options(); }
-};
-template <>
-struct FileCodecs<core::Unit> {
-  static std::shared_ptr<const core::UnitCodec> ForNewPair(std::string_view options) {
-    if (!options.empty()) {
-      throw std::invalid_argument("dtorch: VoidPromise kind 'file' takes no options");
-    }
-    static const auto codec = std::make_shared<const core::UnitCodec>();
-    return codec;
-  }
-  static std::shared_ptr<const core::UnitCodec> ForSerialized(std::string_view value_options) {
-    if (!value_options.empty()) {
-      throw core::FutureError(core::FutureErrc::kInvalidHandle,
-                              "a serialized file VoidPromise with value options");
-    }
-    return ForNewPair("");
-  }
-  static std::string_view OptionsOf(const core::UnitCodec&) { return {}; }
-};
-
-// The codecs of network pairs of T: a value crosses hosts as bytes (no device IPC), arriving on
-// the producer's device type when the consumer has it (kStaged), or on the CPU ("device=cpu").
-template <typename T>
-struct NetworkCodecs;
-template <>
-struct NetworkCodecs<at::Tensor> {
-  static std::shared_ptr<const TensorCodec> ForNewPair(std::string_view options) {
-    if (options.empty()) return std::make_shared<const TensorCodec>(TensorCodec::Delivery::kStaged);
-    if (options == "device=cpu") {
-      return std::make_shared<const TensorCodec>(TensorCodec::Delivery::kCpu);
-    }
-    throw std::invalid_argument("dtorch: TensorPromise kind 'network' takes the option "
-                                "device=cpu after the store's address (\"network://host:port"
-                                "?device=cpu\"), got '" + std::string(options.substr(0, 64)) + "'");
-  }
-  static std::shared_ptr<const TensorCodec> ForSerialized(std::string_view value_options) {
-    try {
-      return ForNewPair(value_options);
-    } catch (const std::invalid_argument&) {
-      throw core::FutureError(core::FutureErrc::kInvalidHandle,
-                              "a serialized network TensorPromise with unknown value options");
-    }
-  }
-  static std::string_view OptionsOf(const TensorCodec& codec) { return codec.Options(); }
-};
-template <>
-struct NetworkCodecs<core::Unit> {
-  static std::shared_ptr<const core::UnitCodec> ForNewPair(std::string_view options) {
-    if (!options.empty()) {
-      throw std::invalid_argument("dtorch: VoidPromise kind 'network' takes only the store's "
-                                  "address (\"network://host:port\")");
-    }
-    static const auto codec = std::make_shared<const core::UnitCodec>();
-    return codec;
-  }
-  static std::shared_ptr<const core::UnitCodec> ForSerialized(std::string_view value_options) {
-    if (!value_options.empty()) {
-      throw core::FutureError(core::FutureErrc::kInvalidHandle,
-                              "a serialized network VoidPromise with value options");
-    }
-    return ForNewPair("");
-  }
-  static std::string_view OptionsOf(const core::UnitCodec&) { return {}; }
-};
-
-template <typename T>
-const core::KindRegistry<T>& Kinds() {
-  static const core::KindRegistry<T> registry = [] {
-    core::KindRegistry<T> kinds(detail::PairNames<T>::kPromise);
-    const auto no_options = [](std::string_view kind, std::string_view options) {
-      if (!options.empty()) {
-        throw std::invalid_argument("dtorch: " + std::string(detail::PairNames<T>::kPromise) +
-                                    " kind '" + std::string(kind) + "' takes no options");
-      }
-    };
-    kinds.Register(core::kMemoryKind,
-                   {[no_options](std::string_view options) {
-                      no_options(core::kMemoryKind, options);
-                      return std::make_unique<core::MemoryPromise<T>>();
-                    },
-                    nullptr, ""});
-    kinds.Register(core::kFileKind,
-                   {[](std::string_view options) {
-                      const auto codec = FileCodecs<T>::ForNewPair(options);
-                      return std::make_unique<core::FilePromise<T>>(
-                          codec, FileCodecs<T>::OptionsOf(*codec));
-                    },
-                    [](std::string_view rest) {
-                      auto handle = core::FileHandle::Parse(
-                          rest, FileCodecs<T>::ForSerialized("")->TypeName());
-                      auto codec = FileCodecs<T>::ForSerialized(handle.value_options);
-                      return std::make_unique<core::FilePromise<T>>(std::move(handle),
-                                                                    std::move(codec));
-                    },
-                    ""});
-    // "network://host:port[?<value options>]"
-    kinds.Register(core::kNetworkKind,
-                   {[](std::string_view options) {
-                      if (options.empty()) {
-                        throw std::invalid_argument(
-                            "dtorch: " + std::string(detail::PairNames<T>::kPromise) +
-                            " kind 'network' needs its store's address: \"network://host:port\" "
-                            "(Python: kind=\"network\", store=a TCPStore or \"host:port\")");
-                      }
-                      const auto query = options.find('?');
-                      const auto store = core::StoreAddress::Parse(options.substr(0, query));
-                      const auto codec = NetworkCodecs<T>::ForNewPair(
-                          query == std::string_view::npos ? std::string_view()
-                                                          : options.substr(query + 1));
-                      return std::make_unique<core::NetworkPromise<T>>(
-                          codec, store, NetworkCodecs<T>::OptionsOf(*codec));
-                    },
-                    [](std::string_view rest) {
-                      auto handle = core::NetworkHandle::Parse(
-                          rest, NetworkCodecs<T>::ForSerialized("")->TypeName());
-                      auto codec = NetworkCodecs<T>::ForSerialized(handle.value_options);
-                      return std::make_unique<core::NetworkPromise<T>>(std::move(handle),
-                                                                       std::move(codec));
-                    },
-                    ""});
-    return kinds;
-  }();
-  return registry;
 }
 
 }  // namespace
@@ -558,8 +398,7 @@ std::string CurrentExceptionMessage() {
 
 std::string PromiseKindFor(const at::Tensor& tensor, bool per_device_per_process) {
   TORCH_CHECK(tensor.defined(), "dtorch: promise_kind_for needs a defined tensor");
-  if (tensor.device().is_cpu() || !per_device_per_process) return std::string(core::kMemoryKind);
-  return std::string(core::kFileKind);
+  return KindWithin(/*crosses_processes=*/!tensor.device().is_cpu() && per_device_per_process);
 }
 
 c10::intrusive_ptr<TensorPromise> TensorPromiseFor(const at::Tensor& tensor,

@@ -3,9 +3,10 @@
 // adds what the library's own kernels and bindings use with them.
 //
 // A promise is the producer's end; GetFuture() hands out its single consumer end. Both are thin,
-// thread-safe handles over a core backend of one kind ("memory": same process; "file": processes
-// of one host, core/file_kind.h). Values: a memory TensorFuture yields the tensor the producer
-// set, not a copy; a file TensorFuture yields a view of a shared copy (ops/tensor_codec.h).
+// thread-safe handles over a core backend of one kind (ops/kinds.h: "memory", the same process;
+// "file", processes of one host; "network", hosts). Values: a memory TensorFuture yields the
+// tensor the producer set, not a copy; the kinds that cross processes yield a copy (or a view of
+// a shared one: ops/tensor_codec.h).
 #pragma once
 
 #include <string>

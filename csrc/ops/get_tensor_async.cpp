@@ -1,5 +1,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <memory>
+
+#include "../core/promise_future.h"
 #include "get_tensor.h"
 
 namespace dtorch {
@@ -39,8 +42,9 @@ c10::intrusive_ptr<TensorFuture> refuse_in_transform_get_tensor_async(const at::
 
 c10::intrusive_ptr<TensorFuture> get_tensor_async(const at::Tensor& input) {
   TORCH_CHECK_TYPE(input.defined(), "dtorch: get_tensor_async(input) needs a tensor, got None");
-  // The op runs in the caller's process, so the pair is always of the memory kind.
-  auto promise = c10::make_intrusive<TensorPromise>("memory");
+  // The op runs in the caller's process, so the pair is always the core's in-process one.
+  auto promise = c10::make_intrusive<TensorPromise>(
+      std::make_unique<core::MemoryPromise<at::Tensor>>());
   auto future = promise->GetFuture();
   GetTensor(input, promise);
   return future;

@@ -7,15 +7,12 @@
 
 #include "../core/completion_detectors.h"
 #include "../core/completion_pool.h"
-#include "../core/file_kind.h"
 #include "../core/base/fork_generation.h"
-#include "../core/kind_registry.h"
-#include "../core/network_kind.h"
-#include "../core/payload_pool.h"
 #include "../core/promise_future.h"
 #include "../core/ready_notifier.h"
 #include "errors.h"
 #include "futures.h"
+#include "kinds.h"
 #include "tensor_codec.h"
 
 namespace dtorch {
@@ -124,35 +121,18 @@ void PostInOrder(std::function<void()> work) {
 
 void StopLibraryThreads() { core::StopLibraryThreads(); }
 std::map<std::string, size_t> CountLibraryThreads() { return core::CountLibraryThreads(); }
+std::map<std::string, core::Diagnostics> LibraryDiagnostics() { return core::LibraryDiagnostics(); }
 
-DetectorStats GetDetectorStats() {
-  const auto& detectors = core::CompletionDetectors::Instance();
-  return {detectors.ThreadCount(), detectors.PendingCount(), detectors.ActiveKeys(),
-          detectors.NotifiedWakeups()};
-}
 
 void FailDetectorThreadStartsForTesting(int count) {
   core::CompletionDetectors::Instance().FailThreadStartsForTesting(count);
 }
 
-size_t PendingFilePairs() { return core::PendingFilePairs(); }
-std::string FileDoorbellSegment() { return core::FileDoorbellSegment(); }
-
-KeptPayloads KeptFilePayloads() {
-  const auto kept = core::payload::Kept();
-  return {kept.produced, kept.received, kept.produced_bytes, kept.received_bytes};
-}
 
 void AtChildExit() {
   core::EndingWithoutExitHandler();
 }
 
-void HoldFilePromiseLockForTesting(const std::string& serialized) {
-  const std::string prefix = core::SerializedPrefix(core::kFileKind);
-  TORCH_CHECK(serialized.rfind(prefix, 0) == 0, "not a serialized file promise");
-  core::HoldFilePromiseLockForTesting(
-      core::FileHandle::Parse(std::string_view(serialized).substr(prefix.size()), "tensor"));
-}
 
 std::pair<std::string, std::string> EncodeTensorForTesting(const at::Tensor& value) {
   const auto codec = TensorCodec::ForSerialized("");
@@ -175,10 +155,14 @@ at::Tensor DecodeTensorForTesting(const std::string& header, const std::string& 
   }
 }
 
+bool KindCrossesProcesses(std::string_view kind) {
+  const core::KindInfo* info = FindKind(kind);
+  return info != nullptr && info->crosses_processes;
+}
+
 std::vector<core::Setting> AllSettings() { return core::AllSettings(); }
 int64_t GetSetting(const std::string& name) { return core::GetSetting(name); }
 void SetSetting(const std::string& name, int64_t value) { core::SetSetting(name, value); }
-size_t PendingNetworkPairs() { return core::PendingNetworkPairs(); }
 
 }  // namespace internal
 }  // namespace dtorch

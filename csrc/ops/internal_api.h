@@ -155,34 +155,17 @@ DTORCH_INTERNAL_API void PostInOrder(std::function<void()> work);
 DTORCH_INTERNAL_API void StopLibraryThreads();
 // Threads of each lifecycle participant, by its name.
 DTORCH_INTERNAL_API std::map<std::string, size_t> CountLibraryThreads();
-struct DetectorStats {
-  size_t threads = 0;
-  size_t pending = 0;
-  size_t active_streams = 0;
-  uint64_t notified_wakeups = 0;
-};
-DTORCH_INTERNAL_API DetectorStats GetDetectorStats();
+// The diagnostics of each lifecycle participant (core/lifecycle.h), by its name.
+DTORCH_INTERNAL_API std::map<std::string, core::Diagnostics> LibraryDiagnostics();
 // The next `count` detector thread starts fail (as if the system refused a thread).
 DTORCH_INTERNAL_API void FailDetectorThreadStartsForTesting(int count);
 
-// ---- The file kind (core/file_kind.h, core/payload_pool.h).
-DTORCH_INTERNAL_API size_t PendingFilePairs();
-// Network pairs of this process (its consumer side) in flight, on all stores.
-DTORCH_INTERNAL_API size_t PendingNetworkPairs();
-DTORCH_INTERNAL_API std::string FileDoorbellSegment();
-// Shared-memory segments kept by this process: as producer (pooled) and as consumer (mapped).
-struct KeptPayloads {
-  size_t produced = 0;
-  size_t received = 0;
-  uint64_t produced_bytes = 0;
-  uint64_t received_bytes = 0;
-};
-DTORCH_INTERNAL_API KeptPayloads KeptFilePayloads();
 // In a child process about to exit without the library's exit handler (multiprocessing's fork
 // start): every lifecycle participant's ending_without_exit_handler (the consumers of its
 // cross-process promises then read "producer exited" once it is gone).
 DTORCH_INTERNAL_API void AtChildExit();
-// Takes the interprocess lock of the serialized file promise and never returns.
+// The file kind's test hook (ops/kinds/file.cpp): takes the interprocess lock of the serialized
+// file promise and never returns.
 [[noreturn]] DTORCH_INTERNAL_API void HoldFilePromiseLockForTesting(const std::string& serialized);
 // Test-only, the tensor codec of file promises (tensor_codec.h) alone: the header and payload a
 // producer publishes for `value` (a device value is staged to the host as it would be), and the
@@ -193,6 +176,10 @@ DTORCH_INTERNAL_API std::pair<std::string, std::string> EncodeTensorForTesting(
 DTORCH_INTERNAL_API at::Tensor DecodeTensorForTesting(const std::string& header,
                                                       const std::string& payload,
                                                       const std::string& value_options);
+
+// ---- Kinds (ops/kinds.h): whether the kind named `kind` may be set in another process (false for
+// a name no kind has).
+DTORCH_INTERNAL_API bool KindCrossesProcesses(std::string_view kind);
 
 // ---- Settings (core/settings.h: the one table dtorch_ops.config is built from). SetSetting
 // throws std::invalid_argument for a value out of range, std::out_of_range for an unknown name.

@@ -1,5 +1,6 @@
 #include "sync.h"
 
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -8,6 +9,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "../core/promise_future.h"
 #include "device_completion.h"
 #include "errors.h"
 
@@ -107,7 +109,8 @@ c10::intrusive_ptr<VoidFutureCollect> sync(const DeviceList& devices) {
   std::vector<c10::intrusive_ptr<VoidFuture>> futures;
   futures.reserve(targets.size());
   for (const auto& device : targets) {
-    auto promise = c10::make_intrusive<VoidPromise>("memory");
+    auto promise =
+        c10::make_intrusive<VoidPromise>(std::make_unique<core::MemoryPromise<core::Unit>>());
     futures.push_back(promise->GetFuture());
     if (device.is_cpu()) {
       SyncCpu(promise);

@@ -1,5 +1,6 @@
-// The tensor codec: how a file promise writes a tensor into shared memory and how its consumer
-// makes a tensor of it (core/value_codec.h), so that the transport stays torch-free.
+// The tensor codec of every kind that crosses processes: how a producer writes a tensor out (into
+// a file pair's shared memory, or a network pair's bytes) and how its consumer makes a tensor of
+// it (core/value_codec.h), so that the transports stay torch-free.
 //
 // What travels: strided tensors of every dtype of a closed set (no quantized ones), any shape and
 // strides, on the CPU or on a device. The values are copied once, when the producer completes the

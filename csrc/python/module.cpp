@@ -337,7 +337,7 @@ py::object ToPython(std::vector<at::Tensor> values) { return py::cast(std::move(
 // process's device): with the GIL released. (A memory future's value is at hand.)
 template <typename T, typename Receive>
 py::object Received(const c10::intrusive_ptr<Future<T>>& future, Receive receive) {
-  if (future->Kind() == "memory") return ToPython(receive());
+  if (!internal::KindCrossesProcesses(future->Kind())) return ToPython(receive());
   T value;
   {
     ReleasedGil released;
@@ -772,7 +772,7 @@ PYBIND11_MODULE(_C, m) {
     SyncInto(devices, promise);
   });
 
-  // wait_any / as_completed (dtorch_ops.futures): futures post their index here once complete.
+  // wait_any / as_completed (dtorch_ops.waiting): futures post their index here once complete.
   py::class_<CompletionQueue, std::shared_ptr<CompletionQueue>>(m, "CompletionQueue")
       .def(py::init<>())
       // The next index, waiting up to timeout_ms (None: no limit) with the GIL released; None
@@ -848,6 +848,9 @@ PYBIND11_MODULE(_C, m) {
     for (const auto& [name, count] : internal::CountLibraryThreads()) threads[name.c_str()] = count;
     return threads;
   });
+  // Each lifecycle participant's diagnostics (core/lifecycle.h), by name: {"detectors": {...},
+  // "doorbell": {"pending_pairs": ...}, ...}.
+  m.def("diagnostics", [] { return internal::LibraryDiagnostics(); });
   // Whether this build opens `device_type`'s memory of other processes (CUDA: built with it).
   m.def("has_device_ipc", [](const std::string& device_type) {
     return FindDeviceIpc(c10::Device(device_type).type()) != nullptr;
@@ -860,18 +863,6 @@ PYBIND11_MODULE(_C, m) {
         [](const py::bytes& header, const py::bytes& payload, const std::string& value_options) {
           return internal::DecodeTensorForTesting(header, payload, value_options);
         });
-  m.def("pending_file_pairs", &internal::PendingFilePairs);
-  m.def("pending_network_pairs", &internal::PendingNetworkPairs);
-  m.def("file_doorbell_segment", &internal::FileDoorbellSegment);
-  m.def("kept_file_payloads", [] {
-    const auto kept = internal::KeptFilePayloads();
-    py::dict counts;
-    counts["produced"] = kept.produced;
-    counts["received"] = kept.received;
-    counts["produced_bytes"] = kept.produced_bytes;
-    counts["received_bytes"] = kept.received_bytes;
-    return counts;
-  });
   // dtorch_ops calls it in a fork-started multiprocessing child before it exits (which skips the
   // library's exit handler): its consumers then read "producer exited", not "died", and its
   // doorbell goes if nothing of it is pending.
@@ -880,15 +871,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("hold_file_promise_lock_for_testing", [](const std::string& serialized) {
     py::gil_scoped_release unlocked;
     internal::HoldFilePromiseLockForTesting(serialized);
-  });
-  m.def("detector_stats", [] {
-    const auto detectors = internal::GetDetectorStats();
-    py::dict stats;
-    stats["threads"] = detectors.threads;
-    stats["pending"] = detectors.pending;
-    stats["active_streams"] = detectors.active_streams;
-    stats["notified_wakeups"] = detectors.notified_wakeups;
-    return stats;
   });
 
   // Settings: the one table (core/settings.h) dtorch_ops.config is built from; std::invalid_argument

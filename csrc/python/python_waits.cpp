@@ -80,7 +80,7 @@ void CloseExitGate() {
   // in reacquiring until it is in running_callbacks; it gets the GIL, which this thread released,
   // so this wait has no bound of its own.)
   const auto warn_at =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(internal::ExitTimeoutMs());
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(internal::GetSetting("exit_timeout_s"));
   bool warned = false;
   while (running_callbacks.load() > 0 || reacquiring.load() > 0) {
     if (!warned && std::chrono::steady_clock::now() >= warn_at) {

@@ -27,8 +27,8 @@
 #include "core/attach_deadline.h"
 #include "core/completion_detectors.h"
 #include "core/completion_pool.h"
-#include "core/file_kind.h"
-#include "core/payload_pool.h"
+#include "core/kinds/file/file_kind.h"
+#include "core/kinds/file/payload_pool.h"
 #include "core/base/fork_generation.h"
 #include "core/kind_registry.h"
 #include "core/lifecycle.h"
@@ -635,7 +635,7 @@ static std::vector<std::string> OurSegments() {
 
 static std::unique_ptr<FilePromise<int64_t>> Deserialized(const std::string& serialized,
                                                           std::shared_ptr<IntCodec> codec) {
-  const std::string prefix = SerializedPrefix(kFileKind);
+  const std::string prefix = SerializedPrefix("file");
   CHECK(serialized.rfind(prefix, 0) == 0);
   return std::make_unique<FilePromise<int64_t>>(
       FileHandle::Parse(serialized.substr(prefix.size()), "int"), codec);
@@ -860,11 +860,11 @@ static void TestFilePayloadReuse() {
 
 static void TestKindRegistry() {
   KindRegistry<int64_t> kinds("IntPromise");
-  kinds.Register(kMemoryKind, {[](std::string_view) {
+  kinds.Register("memory", {[](std::string_view) {
                                  return std::make_unique<MemoryPromise<int64_t>>();
                                },
                                nullptr, ""});
-  kinds.Register(kNetworkKind, {nullptr, nullptr, "is not available in this build yet"});
+  kinds.Register("network", {nullptr, nullptr, "is not available in this build yet"});
   CHECK(std::string(kinds.Create("memory")->Kind()) == "memory");
   bool refused = false;
   try {

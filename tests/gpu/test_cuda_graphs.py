@@ -24,7 +24,7 @@ def test_reduce_overhead_falls_back_from_cuda_graphs_and_gives_the_values():
         h.mul_(3)  # later in the graph: the future keeps the value as of the call
         return (h * 2).sum(), future
 
-    in_graph = dtorch_ops.futures._graph is not None
+    in_graph = dtorch_ops.compile.graph_ops.defined_ops is not None
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=in_graph)
     futures = []
     for i in range(4):

@@ -65,7 +65,7 @@ def test_compiled_step_logs_through_the_host_copy_before_its_in_place_update(gpu
     x = torch.arange(4.0).to(gpu.name)
     ones = torch.ones(4).to(gpu.name)
 
-    @torch.compile(fullgraph=dtorch_ops.futures._graph is not None,
+    @torch.compile(fullgraph=dtorch_ops.compile.graph_ops.defined_ops is not None,
                    backend="inductor" if gpu.name == "cuda" else "aot_eager")
     def forward(w, x):
         losses = w * x + x
@@ -95,7 +95,7 @@ def test_compiled_training_step_logs_its_loss_through_the_host_copy(gpu):
     model.cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    @torch.compile(fullgraph=dtorch_ops.futures._graph is not None)
+    @torch.compile(fullgraph=dtorch_ops.compile.graph_ops.defined_ops is not None)
     def forward(x, y):
         loss = torch.nn.functional.mse_loss(model(x), y)
         return loss, dtorch_ops.to_torch_async(loss, device="cpu")

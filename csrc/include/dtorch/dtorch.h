@@ -9,8 +9,9 @@
 // Values. GetTensorAsync(t) returns at once a future that yields t itself (no copy) once the work
 // queued so far on t's device's current stream has finished: at once on CPU; on a device, when an
 // event recorded on that stream has completed (a library thread watches it; other streams are not
-// waited for, and the device is not synchronised). A "file" promise carries a CPU tensor to another
-// process of the same host; its consumer receives a copy in shared memory.
+// waited for, and the device is not synchronised). A "file" promise carries a tensor to another
+// process of the same host (its consumer receives a copy in shared memory, or a device copy); a
+// "network" promise to another host, through a torch.distributed store.
 //
 // Handles. Promises and futures are c10::intrusive_ptr handles to the TorchScript classes
 // torch.classes.dtorch.*: the same objects a scripted module passes around, shareable between
@@ -151,7 +152,7 @@ class DTORCH_API Future : public torch::CustomClassHolder {
   bool IsReady() const;
   // False once Get() took the value.
   bool Valid() const;
-  // The kind of the pair: "memory" or "file".
+  // The kind of the pair: "memory", "file" or "network".
   std::string Kind() const { return kind_; }
   // Runs `callback` once when the value (or an error) is ready: on the completing thread (a library
   // thread for device values), or at once on this thread if it already is. It must be cheap, must
@@ -167,13 +168,14 @@ class DTORCH_API Future : public torch::CustomClassHolder {
 // Promises: the producer's end (torch.classes.dtorch.TensorPromise / VoidPromise)
 
 // Fulfilled once, by SetValue/SetException or by an op (GetTensor, SyncInto). When the last
-// reference to an unfulfilled promise goes (or, for a file promise, its process dies), its future
+// reference to an unfulfilled promise goes (or, for a file or network promise, its process dies), its future
 // fails with FutureErrc::kBrokenPromise instead of waiting forever.
 template <typename T>
 class DTORCH_API Promise : public torch::CustomClassHolder {
  public:
   static constexpr const char* kClassName = detail::PairNames<T>::kPromise;
-  // kind: "memory" (same process) or "file" (processes of one host, through shared memory).
+  // kind: "memory" (same process), "file" (processes of one host, through shared memory) or
+  // "network://host:port" (hosts, through the TCPStore at that address).
   // Throws c10::ValueError for an unknown kind. Make promises with c10::make_intrusive (as
   // every handle here is): a promise completed later (a device value) keeps a reference to itself.
   explicit Promise(const std::string& kind);
@@ -186,7 +188,7 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
   // a handle that does not match its pair, or a pair it cannot reach, raises at first use.
   static c10::intrusive_ptr<Promise> FromSerialized(const std::string& serialized);
 
-  // Fulfils the promise with `value` (a memory future yields this very tensor; a file future a
+  // Fulfils the promise with `value` (a memory future yields this very tensor; a file or network future a
   // copy: of a CPU tensor made now, of a device tensor a snapshot queued now on its current
   // stream and published once done). A second completion throws
   // FutureErrc::kPromiseAlreadySatisfied and the first value is kept.
@@ -198,8 +200,8 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
   // traceback text (may be empty).
   void SetException(const std::string& message, const std::string& exception_type,
                     const std::string& traceback);
-  // The consumer's end; callable once (then FutureErrc::kFutureAlreadyRetrieved). For a file
-  // promise, only in the process that created the pair.
+  // The consumer's end; callable once (then FutureErrc::kFutureAlreadyRetrieved). For a file or
+  // network promise, only in the process that created the pair.
   c10::intrusive_ptr<Future<T>> GetFuture();
   std::string Kind() const { return kind_; }
   // A string another process turns back into this promise (FromSerialized). A memory promise
@@ -221,7 +223,7 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
   // refusal too (RefuseValue), so that a consumer elsewhere learns why no value comes.
   void CheckValue(const T& value, const char* caller);
   void RefuseValue(const char* caller, const std::string& why) noexcept;
-  // Whether the kind copies the value out of this process (file): a device value must then be
+  // Whether the kind copies the value out of this process (file, network): a device value must then be
   // snapshotted on its stream before it is completed.
   bool CopiesValueOut() const;
   void Claim(const char* producer);

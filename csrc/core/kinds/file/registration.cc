@@ -3,9 +3,9 @@
 #include <chrono>
 #include <climits>
 
-#include "../../file_kind.h"
+#include "file_kind.h"
 #include "../../lifecycle.h"
-#include "../../payload_pool.h"
+#include "payload_pool.h"
 #include "../../settings.h"
 #include "../../shared_state.h"  // kMaxTimeoutMs
 
@@ -27,6 +27,15 @@ const bool file_kind_participates = RegisterParticipant({
     [] {
       MarkFileProducersExited();
       ReleaseIdleFileSegments();
+    },
+    [] {
+      const auto kept = payload::Kept();
+      return Diagnostics{{"pending_pairs", static_cast<int64_t>(PendingFilePairs())},
+                         {"doorbell_segment", FileDoorbellSegment()},
+                         {"kept_produced", static_cast<int64_t>(kept.produced)},
+                         {"kept_received", static_cast<int64_t>(kept.received)},
+                         {"kept_produced_bytes", static_cast<int64_t>(kept.produced_bytes)},
+                         {"kept_received_bytes", static_cast<int64_t>(kept.received_bytes)}};
     }});
 
 }  // namespace

@@ -3,7 +3,7 @@
 #include <chrono>
 
 #include "../../lifecycle.h"
-#include "../../network_kind.h"
+#include "network_kind.h"
 #include "../../settings.h"
 #include "../../shared_state.h"  // kMaxTimeoutMs
 
@@ -31,7 +31,9 @@ const bool network_settings_registered =
 const bool network_kind_participates = RegisterParticipant({
     "network", 30, &NetworkKindThreads,
     [](std::chrono::steady_clock::time_point deadline) { StopNetworkKind(deadline); }, nullptr,
-    nullptr, &AfterForkNetworkKindInChild, &MarkNetworkProducersExiting});
+    nullptr, &AfterForkNetworkKindInChild, &MarkNetworkProducersExiting, [] {
+      return Diagnostics{{"pending_pairs", static_cast<int64_t>(PendingNetworkPairs())}};
+    }});
 
 }  // namespace
 }  // namespace dtorch::core

@@ -22,7 +22,7 @@
 #include <string>
 #include <string_view>
 
-#include "base/process.h"
+#include "../../base/process.h"
 
 namespace boost::interprocess {
 class mapped_region;

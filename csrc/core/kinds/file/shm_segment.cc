@@ -1,4 +1,4 @@
-#include "boost_config.h"  // first: checks the Boost version
+#include "../../boost_config.h"  // first: checks the Boost version
 
 #include "shm_segment.h"
 
@@ -20,8 +20,8 @@
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
 
-#include "base/random.h"
-#include "future_error.h"
+#include "../../base/random.h"
+#include "../../future_error.h"
 
 namespace dtorch::core::shm {
 namespace bip = boost::interprocess;

@@ -67,15 +67,15 @@
 
 #include <unistd.h>
 
-#include "promise_future.h"
-#include "received_future.h"
-#include "shared_state.h"
+#include "../../promise_future.h"
+#include "../../received_future.h"
+#include "../../remote_promise.h"
+#include "../../shared_state.h"
 #include "shm_segment.h"
-#include "value_codec.h"
+#include "../../value_codec.h"
 
 namespace dtorch::core {
 
-struct FileControlBlock;  // file_kind.cc
 
 // What a serialized file promise names (validated when parsed: untrusted input).
 struct FileHandle {
@@ -98,19 +98,11 @@ using PublishedValue = ReceivedValue;
 // One handle's way to complete a pair: the creator's own, or a producer process's attachment
 // (which registered the process in the producer table, and marks its entry dropped when the last
 // handle of that process goes).
-enum class ClaimOutcome {
-  kClaimed,
-  kClaimedByAnother,  // another handle (of any process) claimed it first
-  kFailedByConsumer,  // failed already: its producers gone, none attached, or its lock abandoned
-  kPairGone,          // its consumer dropped it: nobody will read a value
-};
-
-class FileChannel {
+class FileChannel : public RemoteAttachment {
  public:
-  virtual ~FileChannel() = default;
-  // Claims the completion, unless the pair was claimed (or failed) already. Throws
-  // FutureError(kInvalidHandle) when the consumer's doorbell is not what the pair names.
-  virtual ClaimOutcome TryClaim() = 0;
+  // TryClaim() (RemoteAttachment) throws FutureError(kInvalidHandle) when the consumer's doorbell
+  // is not what the pair names; kFailedByConsumer also when its lock was abandoned by a producer
+  // that died.
   // A handle of the pair was serialized (deserialized) in this process (FileControlBlock's
   // counts).
   virtual void CountSerialized() noexcept = 0;
@@ -156,7 +148,7 @@ void CountFileSerialization(const FileHandle& handle,
 std::shared_ptr<shm::Segment> MapFileControlSegment(const FileHandle& handle) noexcept;
 
 // The consumer's end of a pair, in the process that created it.
-class FileConsumer : public ReceivedSource {
+class FileConsumer : public RemoteConsumer {
  public:
   // Creates the control segment and registers the pair with the doorbell watcher.
   // `value_options` travel in the handle (FileHandle::value_options).
@@ -165,19 +157,13 @@ class FileConsumer : public ReceivedSource {
   virtual ~FileConsumer() = default;
 
   virtual const FileHandle& handle() const = 0;
-  // Whether this is the process that created the pair (not a forked child of it).
-  virtual bool InCreatorProcess() const = 0;
   // The creator's own way to complete the pair.
   virtual std::shared_ptr<FileChannel> CreatorChannel() = 0;
-  // The promise may reach other processes (it was serialized here): counts the serialization.
-  virtual void MarkLeftProcess() = 0;
   // A handle was serialized in a forked child of the creator (the mapping is inherited).
   virtual void CountSerialized() noexcept = 0;
   // The creator's promise handle is gone: breaks the pair at once if it never left the process,
   // or starts the attach deadline.
   virtual void CreatorDropped() = 0;
-  // Marks the single future handed out; false if it was already.
-  virtual bool RetrieveFuture() = 0;
 
   // FutureBackend semantics (promise_future.h).
   bool WaitUntil(Deadline deadline) const override = 0;
@@ -216,154 +202,73 @@ std::string FileDoorbellSegment();
 
 // ---- the kind's backends ----
 
-// The future is a ReceivedFuture<T> (received_future.h) of the pair's FileConsumer.
+// The future is a ReceivedFuture<T> (received_future.h) of the pair's FileConsumer; the promise
+// is a RemotePromise (remote_promise.h) over these traits.
+struct FileKind {
+  static constexpr const char* kName = "file";
+  static constexpr const char* kTooLate =
+      "the promise was already failed (no producer alive, none attached in time, or its lock "
+      "abandoned by a producer that died)";
+  static constexpr bool kHolderAttachesAnew = false;
+  using Handle = FileHandle;
+  using Consumer = FileConsumer;
+  using Attachment = FileChannel;
+  // The control segment MapFileControlSegment mapped ahead (so that the first set makes no
+  // system call for it); beyond its cap of handles mapped ahead, null.
+  using Prepared = std::shared_ptr<shm::Segment>;
 
-template <typename T>
-class FilePromise final : public PromiseBackend<T> {
- public:
-  // The creator's promise: makes the pair.
   // `value_options`: the codec's options (codec was made with them), which producers need too.
-  explicit FilePromise(std::shared_ptr<const ValueCodec<T>> codec,
-                       std::string_view value_options = {})
-      : codec_(std::move(codec)),
-        consumer_(FileConsumer::Create(codec_->TypeName(), value_options)),
-        handle_(consumer_->handle()) {}
-  // A promise another process serialized: this process holds it from now on (RegisterFileHolder;
-  // beyond MapFileControlSegment's cap of handles mapped ahead, on first use).
-  FilePromise(FileHandle handle, std::shared_ptr<const ValueCodec<T>> codec)
-      : codec_(std::move(codec)),
-        handle_(std::move(handle)),
-        premapped_(MapFileControlSegment(handle_)) {
-    bool counted = false;
-    if (auto channel = RegisterFileHolder(handle_, premapped_, &counted)) {
-      channel_ = std::move(channel);
-      attached_pid_ = CurrentPid();
-      premapped_.reset();  // (the attachment maps it)
+  template <typename T>
+  static std::shared_ptr<FileConsumer> CreateConsumer(
+      const std::shared_ptr<const ValueCodec<T>>& codec, std::string_view value_options = {}) {
+    return FileConsumer::Create(codec->TypeName(), value_options);
+  }
+  static std::shared_ptr<FileChannel> Received(const FileHandle& handle, Prepared* prepared,
+                                               bool* counted) noexcept {
+    *prepared = MapFileControlSegment(handle);
+    return RegisterFileHolder(handle, *prepared, counted);
+  }
+  static std::shared_ptr<FileChannel> Attach(FileConsumer* consumer, const FileHandle& handle,
+                                             Prepared prepared, bool /*uncounted*/,
+                                             bool /*holder*/) {
+    return consumer && consumer->InCreatorProcess()
+               ? consumer->CreatorChannel()
+               : AttachFileProducer(handle, std::move(prepared));
+  }
+  // (After the producer entry: a holder counts its deserialization once it is in the table.)
+  static void CountedOnAttach(FileChannel& channel) noexcept { channel.CountDeserialized(); }
+  // (Counted without attaching: serializing uses nothing of the pair.)
+  template <typename AttachNow>
+  static void CountSerialized(FileConsumer* consumer, const FileHandle& handle,
+                              FileChannel* channel, Prepared prepared, const AttachNow&) {
+    if (consumer) {
+      consumer->CountSerialized();  // (a forked child of the creator: the mapping is inherited)
+    } else if (channel) {
+      channel->CountSerialized();
+    } else {
+      CountFileSerialization(handle, std::move(prepared));
     }
-    if (!counted) uncounted_in_ = CurrentPid();  // (counted when it attaches)
   }
-
-  ~FilePromise() override {
-    if (consumer_ && consumer_->InCreatorProcess()) consumer_->CreatorDropped();
+  static void CreatorDropped(FileConsumer& consumer, bool /*claimed_here*/) {
+    consumer.CreatorDropped();
   }
-
-  void CheckValue(const T& value) const override {
-    Attach();  // (a handle this process inherited, not deserialized, registers here)
-    codec_->CheckValue(value);
-  }
-
-  void Complete(Result<T> result) override {
-    // Claimed by the parent of this forked child (whose fork handler fails what the parent had
-    // pending): the completion is the parent's to publish.
-    if (claimed_in_ != CurrentPid() || !delivers_) return;  // (not delivering: the pair is gone)
-    const auto channel = Attach();
-    if (!channel) return;
+  template <typename T>
+  static void Deliver(FileConsumer* /*consumer*/, FileChannel& channel, const ValueCodec<T>& codec,
+                      Result<T> result) {
     if (!result.ok()) {
-      channel->PublishError(result.error());
+      channel.PublishError(result.error());
       return;
     }
     size_t payload_bytes = 0;
-    const std::string header = codec_->Header(result.value(), &payload_bytes);
-    channel->PublishValue(
+    const std::string header = codec.Header(result.value(), &payload_bytes);
+    channel.PublishValue(
         header, payload_bytes,
-        [&](void* payload) { codec_->WritePayload(result.value(), payload, payload_bytes); },
-        codec_->KeepUntilReleased(result.value()));
+        [&](void* payload) { codec.WritePayload(result.value(), payload, payload_bytes); },
+        codec.KeepUntilReleased(result.value()));
   }
-
-  std::unique_ptr<FutureBackend<T>> GetFuture() override {
-    return FutureOfPair<T>(consumer_, codec_, "file");
-  }
-
-  std::string Serialize() override {
-    if (consumer_) {
-      consumer_->InCreatorProcess() ? consumer_->MarkLeftProcess() : consumer_->CountSerialized();
-    } else {
-      std::shared_ptr<FileChannel> channel;
-      std::shared_ptr<shm::Segment> premapped;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (attached_pid_ == CurrentPid()) channel = channel_;
-        premapped = premapped_;
-      }
-      // (Counted without attaching: serializing uses nothing of the pair.)
-      if (channel) {
-        channel->CountSerialized();
-      } else {
-        CountFileSerialization(handle_, std::move(premapped));
-      }
-    }
-    return handle_.Serialize();
-  }
-  const char* Kind() const override { return "file"; }
-  bool CopiesValueOut() const override { return true; }
-
-  void RegisterHolder() noexcept override {
-    try {
-      Attach();
-    } catch (...) {  // (its first use says why)
-    }
-  }
-
- protected:
-  void ClaimShared(const char* producer) override {
-    const auto channel = Attach();
-    const ClaimOutcome outcome = channel ? channel->TryClaim() : ClaimOutcome::kPairGone;
-    if (outcome == ClaimOutcome::kClaimedByAnother) {
-      throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
-                        std::string("this ") + producer + " came second: another handle of the "
-                        "promise (in this or another process) claimed it first. A promise is "
-                        "fulfilled once: use a new one per value");
-    }
-    if (outcome == ClaimOutcome::kFailedByConsumer) {
-      throw FutureError(FutureErrc::kBrokenPromise,
-                        std::string(producer) + " came too late: the promise was already failed "
-                        "(no producer alive, none attached in time, or its lock abandoned by a "
-                        "producer that died)");
-    }
-    delivers_ = outcome == ClaimOutcome::kClaimed;  // (else the pair is gone: a no-op)
-    claimed_in_ = CurrentPid();
-  }
-
- private:
-  // This handle's channel in this process: the creator's own, or the process's attachment as a
-  // producer (made on first use; made anew in a forked child). Null when the pair is gone.
-  // Attaching (syscalls, the promise's interprocess lock) runs outside mu_: a fork meanwhile
-  // must not leave mu_ held in the child.
-  std::shared_ptr<FileChannel> Attach() const {
-    const int32_t pid = CurrentPid();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (attached_pid_ == pid) return channel_;
-    }
-    std::shared_ptr<shm::Segment> premapped;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      premapped = std::move(premapped_);
-    }
-    auto channel = consumer_ && consumer_->InCreatorProcess()
-                       ? consumer_->CreatorChannel()
-                       : AttachFileProducer(handle_, std::move(premapped));
-    std::lock_guard<std::mutex> lock(mu_);
-    if (attached_pid_ != pid) {  // (else another thread attached meanwhile: the same channel)
-      channel_ = std::move(channel);
-      attached_pid_ = pid;
-      // A deserialization RegisterFileHolder did not count (beyond the mapped-ahead cap, a
-      // failure then): counted now, after the entry.
-      if (uncounted_in_.exchange(0) == pid && channel_) channel_->CountDeserialized();
-    }
-    return channel_;
-  }
-
-  const std::shared_ptr<const ValueCodec<T>> codec_;
-  const std::shared_ptr<FileConsumer> consumer_;  // null unless this handle created the pair
-  const FileHandle handle_;
-  std::atomic<int32_t> claimed_in_{0};             // the process whose Claim() this handle holds
-  mutable std::atomic<int32_t> uncounted_in_{0};  // whose deserialization is not counted yet
-  std::atomic<bool> delivers_{false};              // that claim reached a pair that is there
-  mutable std::mutex mu_;
-  mutable int32_t attached_pid_ = 0;               // guarded by mu_: 0 until attached
-  mutable std::shared_ptr<FileChannel> channel_;   // guarded by mu_
-  mutable std::shared_ptr<shm::Segment> premapped_;  // guarded by mu_: until the first attach
 };
+
+template <typename T>
+using FilePromise = RemotePromise<T, FileKind>;
 
 }  // namespace dtorch::core

@@ -9,8 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "base/clock.h"
-#include "future_error.h"
+#include "../../base/clock.h"
+#include "../../future_error.h"
 
 namespace dtorch::core::payload {
 namespace {

@@ -1,4 +1,4 @@
-// The network kind's store (core/network_kind.h): a client of torch.distributed's c10d TCPStore,
+// The network kind's store (core/kinds/network/network_kind.h): a client of torch.distributed's c10d TCPStore,
 // the store a torch.distributed job already runs (its default group's store, or one of the
 // user's): the kind speaks c10d's own protocol to it, with a deadline on every exchange.
 // Registered when the library loads.
@@ -23,7 +23,7 @@
 
 #include <torch/csrc/distributed/c10d/TCPStoreBackend.hpp>
 
-#include "../core/network_kind.h"
+#include "../../core/kinds/network/network_kind.h"
 
 namespace dtorch {
 namespace {

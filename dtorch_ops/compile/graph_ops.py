@@ -24,8 +24,8 @@ The Python promise classes are opaque reference types too, taken by two more ops
 compiled step fulfils a promise created outside without its TorchScript object (made on first use
 of ``.raw`` only: ~290 bytes a promise would otherwise carry from birth):
 
-    dtorch::get_tensor_opaque(Tensor input, dtorch_ops.futures.TensorPromise promise) -> ()
-    dtorch::sync_into_opaque(Device[]? devices, dtorch_ops.futures.VoidPromise promise) -> ()
+    dtorch::get_tensor_opaque(Tensor input, dtorch_ops.promises.TensorPromise promise) -> ()
+    dtorch::sync_into_opaque(Device[]? devices, dtorch_ops.promises.VoidPromise promise) -> ()
 
 Before torch 2.12 (Dynamo cannot return an opaque object from a graph), or where this torch refuses
 these registrations, ``define`` returns None and compiled code falls back to the raw ops: a graph
@@ -144,12 +144,25 @@ def require_fake_mode(op: str, input) -> None:
 # Kept alive for the process: the ops' definitions live as long as this Library object.
 _library = None
 
+# The ops define() made, which compiled code calls to create futures and fulfil promises; None
+# before it runs and on a torch without opaque types (compiled code then falls back to the raw
+# ops, and promises carry their TorchScript object from birth). Read at each call, never copied.
+defined_ops: GraphOps | None = None
+
 
 def define(tensor_future_cls, list_future_cls, collect_cls, tensor_promise_cls, void_promise_cls,
            c_module) -> GraphOps | None:
     """Registers the future and promise classes as opaque types and defines the ops; None where
     this torch cannot (compiled code then falls back to a graph break, and to the promises'
-    TorchScript objects)."""
+    TorchScript objects). The result is also kept as ``defined_ops``."""
+    global defined_ops
+    defined_ops = _define(tensor_future_cls, list_future_cls, collect_cls, tensor_promise_cls,
+                          void_promise_cls, c_module)
+    return defined_ops
+
+
+def _define(tensor_future_cls, list_future_cls, collect_cls, tensor_promise_cls,
+            void_promise_cls, c_module) -> GraphOps | None:
     global _library
     try:
         from torch._library.opaque_object import get_opaque_type_name, register_opaque_type
@@ -176,7 +189,7 @@ def define(tensor_future_cls, list_future_cls, collect_cls, tensor_promise_cls, 
     except Exception as e:  # a torch whose opaque API differs: the graph-break fallback
         warnings.warn(f"dtorch_ops: futures made inside torch.compile graphs fall back to a graph "
                       f"break on torch {torch.__version__} ({type(e).__name__}: {e})",
-                      stacklevel=3)
+                      stacklevel=4)
         return None
 
     # Members Dynamo may reach (any other is a hard error there): on a future passed into a graph

@@ -57,7 +57,7 @@
 // what the verdict was made from (a holder attached, a handle serialized) makes the tick decide
 // again. The future fails with "broken promise" once every holder has died, exited or dropped
 // its handle without setting, unless more handles were serialized than deserialized (one is in
-// flight: then after the attach deadline, file_kind.h's AttachTimeoutMs, from the moment the
+// flight: then after the attach deadline, attach_deadline.h's AttachTimeoutMs, from the moment the
 // last holder was gone); with "no producer attached" after the attach deadline when the promise
 // left the process (serialized, or the process forked), no holder ever registered and its
 // creator dropped it; at once if it never left the process and the creator dropped it. The
@@ -104,10 +104,11 @@
 #include <string_view>
 #include <vector>
 
-#include "promise_future.h"
-#include "received_future.h"
-#include "shared_state.h"
-#include "value_codec.h"
+#include "../../promise_future.h"
+#include "../../received_future.h"
+#include "../../remote_promise.h"
+#include "../../shared_state.h"
+#include "../../value_codec.h"
 
 namespace dtorch::core {
 
@@ -231,7 +232,7 @@ struct NetworkHandle {
 using PayloadBytesOf = std::function<size_t(std::string_view header)>;
 
 // The consumer's end of a pair, in the process that created it.
-class NetworkConsumer : public ReceivedSource {
+class NetworkConsumer : public RemoteConsumer {
  public:
   // Registers the pair with this process's session on the store (connecting, and starting its
   // watcher, if needed). A value message whose size is not what its header implies
@@ -243,20 +244,14 @@ class NetworkConsumer : public ReceivedSource {
                                                  PayloadBytesOf payload_bytes_of);
   virtual ~NetworkConsumer() = default;
   virtual const NetworkHandle& handle() const = 0;
-  virtual bool InCreatorProcess() const = 0;
-  // A handle was serialized here (counted: a handle in flight).
-  virtual void MarkLeftProcess() = 0;
+  // MarkLeftProcess (RemoteConsumer): counted as a handle in flight.
   // The creator's promise handle is gone; `claimed_here`: that handle claimed the pair (its
   // value or error is on its way through the store).
   virtual void CreatorDropped(bool claimed_here) = 0;
-  virtual bool RetrieveFuture() = 0;
   // The creator's own handle fails the pair with an exception object: the future of this process
   // raises that object when the error comes back through the store.
   virtual void KeepNative(std::shared_ptr<const NativeError> native) = 0;
 };
-
-// kClosed: the pair is not in flight (its consumer dropped it): a set is a no-op.
-enum class NetworkClaim { kClaimed, kClaimedByAnother, kFailedByConsumer, kClosed };
 
 // Why a process attaches: its first use of a handle it inherited (announced at the tick thread's
 // next round, unless the value goes first), it holds one it received without deserializing (a
@@ -265,16 +260,15 @@ enum class AttachAs { kFirstUse, kHolder, kDeserialized };
 
 // This process's attachment to a pair as a producer (one per process and pair, shared by its
 // handles; made on first use). Dropping the last one without publishing tells the consumer.
-class NetworkProducer {
+class NetworkProducer : public RemoteAttachment {
  public:
   // Attaches (a message to the consumer, if the pair waits for a producer). Throws
   // FutureError: kInvalidHandle when the handle does not match the pair it names (altered),
   // kBrokenPromise when the store cannot be reached.
   static std::shared_ptr<NetworkProducer> Attach(const NetworkHandle& handle,
                                                  AttachAs as = AttachAs::kFirstUse);
-  virtual ~NetworkProducer() = default;
-  // kClaimed for one handle of the attachment only (the others sharing it came second).
-  virtual NetworkClaim TryClaim() = 0;
+  // TryClaim (RemoteAttachment): kClaimed for one handle of the attachment only (the others
+  // sharing it came second); kPairGone: the pair is not in flight (its consumer dropped it).
   // After kClaimed. Throws FutureError(kBrokenPromise) when the store cannot be reached.
   virtual void PublishValue(const std::string& header, std::string payload) = 0;
   virtual void PublishError(const ErrorInfo& error) noexcept = 0;
@@ -308,159 +302,87 @@ size_t PendingNetworkPairs();
 
 // ---- the kind's backends ----
 
-// The future is a ReceivedFuture<T> (received_future.h) of the pair's NetworkConsumer.
+// The future is a ReceivedFuture<T> (received_future.h) of the pair's NetworkConsumer; the promise
+// is a RemotePromise (remote_promise.h) over these traits.
+struct NetworkKind {
+  using Handle = NetworkHandle;
+  using Consumer = NetworkConsumer;
+  using Attachment = NetworkProducer;
+  struct Prepared {};  // (nothing: a received handle connects when it registers)
+  static constexpr const char* kName = "network";
+  // A holder announces itself as one (AttachAs::kHolder) even where this process is attached.
+  static constexpr bool kHolderAttachesAnew = true;
+  static constexpr const char* kTooLate =
+      "the consumer already failed the promise (no producer alive, none attached in time) or is "
+      "gone";
 
-template <typename T>
-class NetworkPromise final : public PromiseBackend<T> {
- public:
-  // The creator's promise: makes the pair on `store`.
-  NetworkPromise(std::shared_ptr<const ValueCodec<T>> codec, const StoreAddress& store,
-                 std::string_view value_options)
-      : codec_(std::move(codec)),
-        consumer_(NetworkConsumer::Create(
-            codec_->TypeName(), store, value_options,
-            [codec = codec_](std::string_view header) { return codec->PayloadBytes(header); })),
-        handle_(consumer_->handle()) {}
-  // A promise another process serialized: this process holds it from now on
-  // (RegisterNetworkHolder: it connects to the store now; if it cannot, the first use says why).
-  NetworkPromise(NetworkHandle handle, std::shared_ptr<const ValueCodec<T>> codec)
-      : codec_(std::move(codec)), handle_(std::move(handle)) {
+  template <typename T>
+  static std::shared_ptr<NetworkConsumer> CreateConsumer(
+      const std::shared_ptr<const ValueCodec<T>>& codec, const StoreAddress& store,
+      std::string_view value_options) {
+    return NetworkConsumer::Create(
+        codec->TypeName(), store, value_options,
+        [codec](std::string_view header) { return codec->PayloadBytes(header); });
+  }
+  // It connects to the store now; if it cannot, the first use says why (and counts it).
+  static std::shared_ptr<NetworkProducer> Received(const NetworkHandle& handle, Prepared*,
+                                                   bool* counted) noexcept {
     try {
-      producer_ = RegisterNetworkHolder(handle_);
-      if (producer_) attached_in_ = ForkGeneration();
+      auto producer = RegisterNetworkHolder(handle);
+      *counted = true;
+      return producer;
     } catch (...) {
-      uncounted_ = true;  // (its first attach counts the deserialization)
-      uncounted_in_ = ForkGeneration();
+      *counted = false;
+      return nullptr;
     }
   }
-
-  ~NetworkPromise() override {
-    if (consumer_ && consumer_->InCreatorProcess()) {
-      consumer_->CreatorDropped(claimed_ && claimed_in_ == ForkGeneration());
+  static std::shared_ptr<NetworkProducer> Attach(NetworkConsumer*, const NetworkHandle& handle,
+                                                 Prepared, bool uncounted, bool holder) {
+    return NetworkProducer::Attach(handle, holder      ? AttachAs::kHolder
+                                           : uncounted ? AttachAs::kDeserialized
+                                                       : AttachAs::kFirstUse);
+  }
+  static void CountedOnAttach(NetworkProducer&) noexcept {}  // (Attach counted it: kDeserialized)
+  template <typename AttachNow>
+  static void CountSerialized(NetworkConsumer*, const NetworkHandle& handle, NetworkProducer*,
+                              Prepared, const AttachNow& attach) {
+    try {
+      if (!CountSerializedInCreatorProcess(handle)) attach()->Serialized();
+    } catch (const FutureError&) {
+      // (The store cannot be reached from here: the handle is passed on all the same.)
     }
   }
-
-  void CheckValue(const T& value) const override {
-    Attach();
-    codec_->CheckValue(value);
+  static void CreatorDropped(NetworkConsumer& consumer, bool claimed_here) {
+    consumer.CreatorDropped(claimed_here);
   }
-  bool CopiesValueOut() const override { return true; }
-
-  void Complete(Result<T> result) override {
-    // Claimed by the parent of this forked child (whose fork handler fails what the parent had
-    // pending): the completion is the parent's to publish.
-    if (!claimed_ || claimed_in_ != ForkGeneration()) return;
-    const auto producer = Attach();
+  template <typename T>
+  static void Deliver(NetworkConsumer* consumer, NetworkProducer& producer,
+                      const ValueCodec<T>& codec, Result<T> result) {
     if (!result.ok()) {
-      if (result.error().origin.native && consumer_ && consumer_->InCreatorProcess()) {
-        consumer_->KeepNative(result.error().origin.native);
+      if (result.error().origin.native && consumer && consumer->InCreatorProcess()) {
+        consumer->KeepNative(result.error().origin.native);
       }
-      producer->PublishError(result.error());
+      producer.PublishError(result.error());
       return;
     }
     size_t payload_bytes = 0;
     std::string header;
     std::string payload;
     try {
-      header = codec_->Header(result.value(), &payload_bytes);
+      header = codec.Header(result.value(), &payload_bytes);
       payload.resize(payload_bytes);
-      if (payload_bytes != 0) codec_->WritePayload(result.value(), payload.data(), payload_bytes);
+      if (payload_bytes != 0) codec.WritePayload(result.value(), payload.data(), payload_bytes);
     } catch (const std::exception& e) {
       // Claimed, so nothing else will complete the pair: it fails with this error too.
-      producer->PublishError(
-          ErrorInfo{FutureErrc::kProducerError, std::string("the value could not be sent: ") +
-                                                    e.what()});
+      producer.PublishError(ErrorInfo{
+          FutureErrc::kProducerError, std::string("the value could not be sent: ") + e.what()});
       throw;
     }
-    producer->PublishValue(header, std::move(payload));
+    producer.PublishValue(header, std::move(payload));
   }
-
-  std::unique_ptr<FutureBackend<T>> GetFuture() override {
-    return FutureOfPair<T>(consumer_, codec_, "network");
-  }
-
-  std::string Serialize() override {
-    if (consumer_ && consumer_->InCreatorProcess()) {
-      consumer_->MarkLeftProcess();
-    } else {
-      try {
-        if (!CountSerializedInCreatorProcess(handle_)) Attach()->Serialized();
-      } catch (const FutureError&) {
-        // (The store cannot be reached from here: the handle is passed on all the same.)
-      }
-    }
-    return handle_.Serialize();
-  }
-  const char* Kind() const override { return "network"; }
-
-  void RegisterHolder() noexcept override {
-    if (consumer_ && consumer_->InCreatorProcess()) return;
-    try {
-      const auto producer = NetworkProducer::Attach(handle_, AttachAs::kHolder);
-      std::lock_guard<std::mutex> lock(mu_);
-      producer_ = producer;
-      attached_in_ = ForkGeneration();
-    } catch (...) {
-    }
-  }
-
- protected:
-  void ClaimShared(const char* producer) override {
-    switch (Attach()->TryClaim()) {
-      case NetworkClaim::kClaimed:
-        claimed_in_ = ForkGeneration();
-        claimed_ = true;
-        return;
-      case NetworkClaim::kClaimedByAnother:
-        throw FutureError(FutureErrc::kPromiseAlreadySatisfied,
-                          std::string("this ") + producer + " came second: another handle of "
-                          "the promise (in this or another process) claimed it first. A promise "
-                          "is fulfilled once: use a new one per value");
-      case NetworkClaim::kFailedByConsumer:
-        throw FutureError(FutureErrc::kBrokenPromise,
-                          std::string(producer) + " came too late: the consumer already failed "
-                          "the promise (no producer alive, none attached in time) or is gone");
-      case NetworkClaim::kClosed:
-        return;  // its consumer dropped the pair: nothing to deliver (Complete does nothing)
-    }
-  }
-
- private:
-  // This process's attachment (made on first use; anew in a forked child). Made outside mu_: it
-  // connects, and a fork meanwhile must not leave mu_ held in the child.
-  std::shared_ptr<NetworkProducer> Attach() const {
-    const uint64_t generation = ForkGeneration();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (producer_ && attached_in_ == generation) return producer_;
-    }
-    bool deserialized;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      deserialized = uncounted_ && uncounted_in_ == generation;
-    }
-    // (The process's one attachment: shared.)
-    auto producer = NetworkProducer::Attach(
-        handle_, deserialized ? AttachAs::kDeserialized : AttachAs::kFirstUse);
-    std::lock_guard<std::mutex> lock(mu_);
-    producer_ = std::move(producer);
-    attached_in_ = generation;
-    uncounted_ = false;
-    return producer_;
-  }
-
-  const std::shared_ptr<const ValueCodec<T>> codec_;
-  const std::shared_ptr<NetworkConsumer> consumer_;  // null unless this handle created the pair
-  const NetworkHandle handle_;
-  std::atomic<bool> claimed_{false};
-  std::atomic<uint64_t> claimed_in_{0};  // the fork generation that claimed
-  mutable std::mutex mu_;
-  mutable std::shared_ptr<NetworkProducer> producer_;  // guarded by mu_
-  mutable uint64_t attached_in_ = 0;                   // guarded by mu_: its fork generation
-  // guarded by mu_: deserialized where the store could not be reached (uncounted_in_: that fork
-  // generation), so that the first attach there counts the deserialization
-  mutable bool uncounted_ = false;
-  mutable uint64_t uncounted_in_ = 0;
 };
+
+template <typename T>
+using NetworkPromise = RemotePromise<T, NetworkKind>;
 
 }  // namespace dtorch::core

@@ -1,0 +1,81 @@
+"""Completing a future with what another gave: the settle(ok, value) callables that fulfil a
+pending ObjectFuture or a _C promise once, with a value or an error."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import _C
+from ._script_objects import _a
+from .errors import FutureError
+
+_Tensor = torch.Tensor
+
+
+def _unpack(result):
+    ok, value = result
+    if ok:
+        return value
+    raise value
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _pending_object_future(future: ObjectFuture, timeout_ms=None, what=""):
+    """Makes `future` pending; returns settle(ok, value), which completes it once. With
+    timeout_ms, it fails with FutureTimeoutError if not settled by then (what: the message)."""
+    promise = _C.VoidPromise("memory")
+    future._h = promise.get_future()
+    future._result = None
+    lock = threading.Lock()
+    timer = None if timeout_ms is None else _C.fail_after(promise, timeout_ms, what)
+
+    def settle(ok, value):
+        with lock:  # (one settle at a time; the timeout's timer may complete it meanwhile)
+            if future._h.is_ready():
+                return  # (timed out, or settled already)
+            future._result = (ok, value)
+            try:
+                promise.set_value()
+            except FutureError:
+                return  # (the timeout came first: the future raises it, not this result)
+        if timer is not None:
+            timer.cancel()  # (released now, not at its deadline)
+
+    return settle
+
+
+def _promise_settler(promise, source: str):
+    """settle(ok, value) completing a _C TensorPromise / VoidPromise with what `source` gave."""
+
+    def settle(ok, value):
+        if not ok:
+            promise.set_exception(f"{source} failed: {_describe(value)}")
+        elif isinstance(promise, _C.VoidPromise):
+            promise.set_value()
+        elif isinstance(value, _Tensor):
+            promise.set_value(value)
+        else:
+            promise.set_exception(f"{source} gave {_a(type(value).__name__)}, not a tensor")
+
+    return settle
+
+
+def _call_and_settle(fn, arg, settle) -> None:
+    """settle(True, fn(arg)), or settle(False, the exception fn raised): any exception, so that
+    the settled future never stays pending."""
+    try:
+        value = fn(arg)
+    except BaseException as e:
+        settle(False, e)
+    else:
+        settle(True, value)
+
+
+def _settle_when_done(source, settle) -> None:
+    """settle(ok, value) with source's value or error once source (ours, or a
+    torch.futures.Future) completes."""
+    source.add_done_callback(lambda done: _call_and_settle(type(done).value, done, settle))
