@@ -29,8 +29,18 @@ def test_the_pages_exist():
                      "docs/reference/ops.md", "docs/reference/errors.md",
                      "docs/reference/settings.md", "docs/design/architecture.md",
                      "docs/design/threads-exit-fork.md", "docs/development/testing.md",
-                     "docs/development/benchmarks.md"]:
+                     "docs/development/benchmarks.md", "docs/development/layout.md",
+                     "docs/design/file-protocol.md", "docs/design/network-protocol.md",
+                     "docs/README.md"]:
         assert expected in names
+
+
+def test_the_settings_page_is_one_generated_block():
+    with open(os.path.join(ROOT, "docs", "reference", "settings.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert text.count("<!-- settings:begin -->") == 1
+    assert text.count("<!-- settings:end -->") == 1
+    assert text.index("<!-- settings:begin -->") < text.index("<!-- settings:end -->")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_name)
@@ -53,6 +63,8 @@ def test_the_readme_is_the_front_door():
     for kind in ("memory", "file", "network"):
         assert f"`{kind}`" in text
     assert "docs/design/architecture.md" in text
+    for word in ("get_tensor_async", ".wait(", ".get(", "await ", "torch.compile", "make build"):
+        assert word in text, f"the README's tour lacks {word!r}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_name)
