@@ -103,6 +103,7 @@ class FileChannel : public RemoteAttachment {
   // TryClaim() (RemoteAttachment) throws FutureError(kInvalidHandle) when the consumer's doorbell
   // is not what the pair names; kFailedByConsumer also when its lock was abandoned by a producer
   // that died.
+
   // A handle of the pair was serialized (deserialized) in this process (FileControlBlock's
   // counts).
   virtual void CountSerialized() noexcept = 0;
@@ -186,7 +187,7 @@ void MarkFileProducersExited() noexcept;
 // for a process about to end without the library's exit handler (that same multiprocessing
 // child).
 void ReleaseIdleFileSegments() noexcept;
-// Fork handlers (library_threads.cc).
+// Fork handlers (registration.cc makes them the kind's lifecycle participant's).
 void PrepareForkFileKind() noexcept;
 void AfterForkFileKindInParent() noexcept;
 void AfterForkFileKindInChild() noexcept;

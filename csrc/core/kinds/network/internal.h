@@ -34,8 +34,6 @@ namespace dtorch::core::network_internal {
 
 using std::chrono::milliseconds;
 
-using std::chrono::milliseconds;
-
 constexpr char kKeyPrefix[] = "dtorch/n/";
 constexpr size_t kIdHexDigits = 32;
 // A value this large or smaller travels in its message (one push); a larger one in chunks.

@@ -269,6 +269,7 @@ class NetworkProducer : public RemoteAttachment {
                                                  AttachAs as = AttachAs::kFirstUse);
   // TryClaim (RemoteAttachment): kClaimed for one handle of the attachment only (the others
   // sharing it came second); kPairGone: the pair is not in flight (its consumer dropped it).
+
   // After kClaimed. Throws FutureError(kBrokenPromise) when the store cannot be reached.
   virtual void PublishValue(const std::string& header, std::string payload) = 0;
   virtual void PublishError(const ErrorInfo& error) noexcept = 0;
