@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 
+import torch
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -96,6 +97,15 @@ class BuildDtorchExtensions(BuildExtension):
             # A plain library name (no CPython tag): it is not a Python module.
             return filename[: filename.index(".")] + ".so"
         return filename
+
+    def finalize_options(self):
+        super().finalize_options()
+        # The objects stay between builds of this checkout (editable installs, `pip wheel`,
+        # `pip install .`: pip builds in the tree), so that ninja recompiles only what changed;
+        # one folder per interpreter and torch (scripts/compat.sh builds others in this checkout).
+        torch_tag = torch.__version__ + ("-cuda" if CUDA_HOME is not None else "")
+        self.build_temp = os.path.join(
+            HERE, "build", f"temp-py{sys.version_info[0]}{sys.version_info[1]}-torch{torch_tag}")
 
     def run(self):
         # build_ext.run clears self.inplace before build_extensions: keep what was asked.

@@ -348,8 +348,14 @@ def _snapshot():
 
 
 def memory(pending):
+    # One pair held across the measurement so that the per-process state (the doorbell segment,
+    # its mapping) exists before and after: the figures are per pending future, not per process.
+    unrelated = set(_own_segments())
+    warm_promise = dtorch_ops.TensorPromise(kind="file")
+    warm_future = warm_promise.get_future()
     gc.collect()
     before = _snapshot()
+    held = set(_own_segments())
     t0 = time.perf_counter()
     pairs = [dtorch_ops.TensorPromise(kind="file") for _ in range(pending)]
     futures = [p.get_future() for p in pairs]
@@ -372,18 +378,21 @@ def memory(pending):
     del pairs, futures
     gc.collect()
     release_ms = (time.perf_counter() - t0) * 1e3
-    doorbell = dtorch_ops._C.diagnostics()["doorbell"]["doorbell_segment"]
     deadline = time.monotonic() + 5
     while True:
-        left = {n for n in _own_segments() if n != doorbell}
+        left = set(_own_segments()) - held
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    released = _snapshot()  # (the warm pair still held, as in `before`)
+    doorbell = dtorch_ops._C.diagnostics()["doorbell"]["doorbell_segment"]
+    del warm_promise, warm_future
+    gc.collect()
     # The doorbell goes ~2 s after the last pending pair; wait for it, bounded.
     deadline = time.monotonic() + 4
     while doorbell and doorbell in _own_segments() and time.monotonic() < deadline:
         time.sleep(0.1)
-    released = _snapshot()
+    left |= (held - unrelated - {doorbell}) & set(_own_segments())  # the warm pair's
     print(f"  released in {release_ms:.0f} ms; own dtorch_* segments left after 5 s: {len(left)}"
           f"{' ' + str(sorted(left)[:5]) if left else ''}; doorbell segment "
           f"{'still there' if doorbell and doorbell in _own_segments() else 'gone'}; "

@@ -144,7 +144,7 @@ void DefinePromise(torch::Library& m) {
 
 TORCH_LIBRARY(dtorch, m) {
   // Python fake classes and fake kernels (torch.compile / export) live in this module.
-  m.set_python_module("dtorch_ops._fake");
+  m.set_python_module("dtorch_ops.compile.fakes");
 
   // An event loop's wake-up channel: the loop watches fileno() and drain()s posted tokens.
   auto notifier = m.class_<ReadyNotifier>("ReadyNotifier");

@@ -117,7 +117,7 @@ from .functions import (  # noqa: E402
 )
 # The future and promise classes as opaque types, and the Python ops over them (graph_ops).
 from .compile import opaque_types as _opaque_types  # noqa: E402,F401
-from . import _fake  # noqa: E402,F401  (fake classes and kernels for torch.compile / export)
+from .compile import fakes as _fakes  # noqa: E402,F401  (fake classes and kernels: compile / export)
 # Inductor's lowerings and the DTensor rules (of the Python ops too), when those are imported.
 from .compile import lowerings as _lowerings  # noqa: E402,F401
 

@@ -310,8 +310,9 @@ if [ "$MODE" = cuda ]; then
   # Longest first, as measured (a file not named here runs after these): most of a file's time
   # is subprocesses starting and waiting, so JOBS files share the cores, with a few threads each
   # and inductor compiling in the test's process.
-  order=(test_python_layer test_file_device test_compile test_parity test_file_kind
-    test_file_failures test_file_payloads test_cpp_api test_threads test_torchscript test_sync)
+  order=(test_python_layer test_file_device test_compile_futures test_compile test_parity
+    test_file_kind test_file_failures test_file_payloads test_cpp_api test_threads test_torchscript
+    test_sync)
   files=()
   for name in "${order[@]}"; do [ -f "tests/$name.py" ] && files+=("tests/$name.py"); done
   for file in tests/test_*.py; do

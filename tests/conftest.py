@@ -11,6 +11,9 @@ import torch
 
 import dtorch_ops  # noqa: F401  (loads the library)
 
+# The helper modules the test modules share: their asserts get pytest's rewritten messages too.
+pytest.register_assert_rewrite("file_failure_helpers", "network_fixtures", "compile_helpers")
+
 # Every blocking call in the tests is bounded by this (ms); pytest-timeout bounds the rest.
 WAIT_MS = 10_000
 

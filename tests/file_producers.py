@@ -1,4 +1,5 @@
-"""Producer-side functions for test_file_kind.py (and the value cases test_network.py shares): run in the module's producer process
+"""Producer-side functions for test_file_kind.py (and the value cases test_network.py shares):
+run in the module's producer process
 (producer_process.ProducerProcess.call), they fulfil the file promises the test (the consumer)
 sends them.
 """

@@ -1,4 +1,5 @@
-"""Worker-process functions for test_file_failures.py ("file" promises across processes).
+"""Worker-process functions for test_file_failures.py, test_file_untrusted.py and
+test_file_scale.py ("file" promises across processes).
 
 Importable by spawned children: multiprocessing's spawn start method hands the parent's sys.path
 to the child, and pytest puts tests/ on it. Fork-context children run these functions directly.

@@ -1,4 +1,4 @@
-"""Functions that test_network.py runs in its other processes: producers and consumers (spawned
+"""Functions that test_network.py and test_network_failures.py run in their other processes: producers and consumers (spawned
 producer_process.ProducerProcess children, which run these by reference), the TCPStore server
 the test kills, and the fuzzer of serialized promises.
 

@@ -1,5 +1,5 @@
 """A persistent producer process for the file-kind tests (test_file_kind.py,
-test_file_failures.py): the test process is the consumer; the producer runs functions the test
+test_file_failures.py and the other file-kind modules): the test process is the consumer; the producer runs functions the test
 sends it, by reference (so they live in modules a spawned child can import: pytest puts tests/ on
 sys.path, which spawn hands to the child).
 

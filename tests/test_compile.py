@@ -1,22 +1,21 @@
-"""torch.compile, torch.export and opcheck: the ops and classes inside traced graphs (CPU).
+"""torch.compile and opcheck: the ops and classes inside traced graphs (CPU).
+
+opcheck of every op; compiled steps that fulfil promises passed in (a training step logging its
+loss, inductor holding those buffers, in-place changes after the call); what breaks the graph,
+and what the message says; autocast. Futures created inside compiled graphs are in
+tests/test_compile_futures.py, torch.export in tests/test_compile_export.py.
 
 aot_eager for most cases; inductor for a few (compiles take seconds on 2 cores)."""
 import pytest
 import torch
-from functorch.compile import make_boxed_func
 import torch._dynamo
-from torch._dynamo.backends.common import aot_autograd
 from torch.testing._internal.optests.generate_tests import OpCheckError
 
 import dtorch_ops
+from compile_helpers import GRAPH_OPS, _GraphCapture, _model
 from conftest import WAIT_MS
 
 UTILS = ["test_schema", "test_autograd_registration", "test_faketensor"]
-GRAPH_OPS = pytest.mark.skipif(
-    dtorch_ops.compile.graph_ops.defined_ops is None,
-    reason=f"torch {torch.__version__} cannot return opaque objects from compiled graphs: compiled "
-           "code falls back to a graph break "
-           "(test_without_opaque_types_compiled_code_falls_back_to_a_graph_break)")
 
 
 # ---- opcheck: every op, one call per utility, fresh promises for each ----
@@ -83,12 +82,8 @@ def test_opcheck_aot_dispatch_runs_promise_ops_in_the_compiled_graph(op, make_ar
         _check(getattr(torch.ops.dtorch, op).default, make_args(), "test_aot_dispatch_dynamic")
 
 
+
 # ---- torch.compile of a training step that logs its loss through a promise ----
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 
 
 def _step_wrapper(model):
@@ -107,22 +102,6 @@ def _step_raw(model):
         return loss
 
     return step
-
-
-class _GraphCapture:
-    """A backend that records Dynamo's graph and the AOT forward graph, then runs aot_eager."""
-
-    def __init__(self):
-        self.dynamo_graphs, self.aot_graphs = [], []
-
-    def __call__(self, gm, example_inputs):
-        self.dynamo_graphs.append(gm)
-
-        def forward_compiler(fw, fw_inputs):
-            self.aot_graphs.append(fw)
-            return make_boxed_func(fw.forward)
-
-        return aot_autograd(fw_compiler=forward_compiler)(gm, example_inputs)
 
 
 @pytest.mark.parametrize("make_step, promise_kind", [(_step_wrapper, "wrapper"), (_step_raw, "raw")])
@@ -251,198 +230,6 @@ def test_what_a_future_yields_when_the_graph_mutates_its_tensor_later(backend, s
         assert torch.equal(futures[0].wait(WAIT_MS), torch.full((3,), expect_intermediate))
         assert torch.equal(futures[1].wait(WAIT_MS), torch.full((3,), 2.0))  # x after add_(1)
         assert torch.equal(x, torch.full((3,), 2.0))
-
-
-# ---- futures created inside compiled graphs (opaque future classes, Python-defined ops) ----
-
-BACKENDS = ["eager", "aot_eager", "inductor"]
-
-
-def _future_step(x, w):
-    """Three futures in one graph, two on one tensor and one on a view; none of their values is a
-    graph output; the tensor is overwritten in place later in the graph."""
-    product = x @ w
-    loss = product.sum()
-    first = dtorch_ops.to_torch_async(loss)
-    again = dtorch_ops.to_torch_async(loss)
-    row = dtorch_ops.to_torch_async(product[1:])
-    done = dtorch_ops.sync_async()
-    loss.mul_(3)  # later in the graph: an intermediate overwritten in place
-    return loss * 2 + 1, (first, again, row, done)
-
-
-@GRAPH_OPS
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_futures_created_in_a_compiled_step(backend):
-    torch._dynamo.reset()
-    explain = torch._dynamo.explain(_future_step)(torch.randn(3, 4), torch.randn(4, 5))
-    assert explain.graph_break_count == 0 and explain.graph_count == 1
-    torch._dynamo.reset()
-    compiled = torch.compile(_future_step, fullgraph=True, backend=backend)
-    seen = []
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(3):
-            x, w = torch.randn(3, 4), torch.randn(4, 5)
-            out, (first, again, row, done) = compiled(x, w)
-            product = x @ w
-            # Functionalized backends capture the intermediate as of the call; the eager backend
-            # runs the graph as written, so the future aliases it like eager code.
-            loss = product.sum() * (3 if backend == "eager" else 1)
-            assert type(first) is dtorch_ops.TensorFuture and first is not again
-            assert first.kind() == "memory" and isinstance(first.raw, torch.ScriptObject)
-            torch.testing.assert_close(first.wait(WAIT_MS), loss)
-            torch.testing.assert_close(again.get(), loss)
-            torch.testing.assert_close(row.wait(WAIT_MS), product[1:])
-            assert type(done) is dtorch_ops.VoidFutureCollect and done.wait(WAIT_MS) is None
-            torch.testing.assert_close(out, product.sum() * 6 + 1)
-            assert first.valid() and not again.valid()  # (only get() consumes)
-            seen.append(first)
-    assert len({id(f) for f in seen}) == 3  # a fresh future each call
-
-
-@GRAPH_OPS
-def test_compiled_futures_are_awaitable():
-    import asyncio
-
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda x: (x + 1, dtorch_ops.to_torch_async(x * 2)),
-                             fullgraph=True, backend="aot_eager")
-
-    async def main():
-        out, future = compiled(torch.ones(2))
-        return await asyncio.wait_for(future, WAIT_MS / 1000)
-
-    assert torch.equal(asyncio.run(main()), torch.full((2,), 2.0))
-
-
-@GRAPH_OPS
-def test_compiled_future_is_recorded_right_after_its_value():
-    torch._dynamo.reset()
-    capture = _GraphCapture()
-
-    def step(x, w):
-        loss = (x @ w).sum()
-        future = dtorch_ops.to_torch_async(loss)
-        later = (x * 3).exp().sum()  # independent work, after the call
-        return later, future
-
-    _, future = torch.compile(step, fullgraph=True, backend=capture)(torch.randn(2, 3),
-                                                                     torch.randn(3, 2))
-    future.get()
-    nodes = list(capture.aot_graphs[0].graph.nodes)
-    targets = [str(n.target) for n in nodes]
-    at = next(i for i, n in enumerate(nodes)
-              if "with_effects" in str(n.target) and "to_torch_async" in str(n.args))
-    assert "sum" in targets[at - 1], targets  # right after the value's producer...
-    assert any("exp" in t for t in targets[at + 1:]), targets  # ...before the later work
-
-
-@GRAPH_OPS
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_futures_over_dynamic_shapes(backend):
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda x: (x.sum(), dtorch_ops.to_torch_async(x * 2)),
-                             fullgraph=True, dynamic=True, backend=backend)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for n in (3, 5, 8):
-            x = torch.randn(n)
-            total, future = compiled(x)
-            torch.testing.assert_close(future.wait(WAIT_MS), x * 2)
-
-
-@GRAPH_OPS
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_training_step_logs_its_loss_through_a_future(backend):
-    torch._dynamo.reset()
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        return loss, dtorch_ops.to_torch_async(loss.detach())
-
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(3):
-            x, y = torch.randn(4, 8), torch.randn(4, 1)
-            expected = torch.nn.functional.mse_loss(model(x), y).detach()
-            loss, future = compiled(x, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()  # parameters change: the logged value is this step's
-            torch.testing.assert_close(future.wait(WAIT_MS), expected)
-
-
-@GRAPH_OPS
-def test_compiled_future_on_the_simulated_device_waits_for_its_stream():
-    import time
-
-    from devices import SimDev
-
-    dev = SimDev()
-    torch._dynamo.reset()
-
-    def step(x):
-        y = (x + 1) * 2
-        return dtorch_ops.to_torch_async(y)
-
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    x = torch.ones(4, device="simdev")
-    compiled(x).get()  # compile outside the held stream
-    release = dev.hold()
-    try:
-        future = compiled(x)
-        time.sleep(0.05)
-        assert not future.is_ready()
-    finally:
-        release()
-    assert torch.equal(future.wait(WAIT_MS).cpu(), torch.full((4,), 4.0))
-
-
-@GRAPH_OPS
-def test_compiled_reduce_overhead_mode_gives_the_values():
-    # Reference opaques disable CUDA graphs (tests/gpu checks that fallback on a GPU); on CPU the
-    # mode compiles with inductor and the values must be right.
-    torch._dynamo.reset()
-    compiled = torch.compile(_future_step, mode="reduce-overhead", fullgraph=True)
-    for _ in range(2):
-        x, w = torch.randn(3, 4), torch.randn(4, 5)
-        out, (first, again, row, done) = compiled(x, w)
-        product = x @ w
-        torch.testing.assert_close(first.wait(WAIT_MS), product.sum())
-        torch.testing.assert_close(row.wait(WAIT_MS), product[1:])
-        torch.testing.assert_close(out, product.sum() * 6 + 1)
-
-
-_SECOND_PROCESS = """
-import torch, dtorch_ops
-def step(x):
-    y = (x * 2).sum()
-    f = dtorch_ops.to_torch_async(y)
-    y.add_(1)
-    return y, f
-compiled = torch.compile(step, fullgraph=True, backend="inductor")
-for i in range(2):
-    x = torch.arange(4.0) + i
-    out, f = compiled(x)
-    assert torch.equal(f.wait(10000), (x * 2).sum()), (f, x)
-    assert torch.equal(out, (x * 2).sum() + 1)
-print("ok")
-"""
-
-
-@GRAPH_OPS
-def test_a_second_process_runs_the_same_compiled_step(tmp_path):
-    # Effectful graphs bypass the FX graph cache: what matters is the values in each process.
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _SECOND_PROCESS], env=env,
-                              capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
 # ---- what breaks the graph, cleanly, and what the message says ----
@@ -614,76 +401,6 @@ def test_raw_of_a_future_passed_into_a_compiled_region_is_that_futures():
         assert torch.equal(dtorch_ops.TensorFuture(raw).get(), torch.full((2,), value))
 
 
-class _WaitsWhileExported(torch.nn.Module):
-    def forward(self, x):
-        future = dtorch_ops.to_torch_async(x * 2)
-        return future.get()
-
-
-class _BlocksWhileExported(torch.nn.Module):
-    def forward(self, x):
-        return dtorch_ops.to_torch(x * 2)
-
-
-@GRAPH_OPS
-@pytest.mark.parametrize("module", [_WaitsWhileExported, _BlocksWhileExported])
-def test_non_strict_export_of_a_wait_says_why(module):
-    # No Dynamo there, so no graph break to take: a clear error, not a program returning None.
-    with pytest.raises(RuntimeError, match="created while tracing .torch.export. has no value"):
-        torch.export.export(module(), (torch.ones(2),), strict=False)
-
-
-class _MakesAPromiseWhileExported(torch.nn.Module):
-    def forward(self, x):
-        promise = dtorch_ops.TensorPromise()
-        dtorch_ops.get_tensor(x * 2, promise)
-        return x + 1
-
-
-def test_non_strict_export_of_a_promise_made_inside_says_why():
-    with pytest.raises(RuntimeError, match=r"TensorPromise\(\) while tracing .torch.export.: a "
-                                           "graph cannot create a promise"):
-        torch.export.export(_MakesAPromiseWhileExported(), (torch.ones(2),), strict=False)
-
-
-class _UsesAPromiseWhileExported(torch.nn.Module):
-    def __init__(self, use):
-        super().__init__()
-        self.promise, self.use = dtorch_ops.TensorPromise(), use
-
-    def forward(self, x):
-        self.use(self.promise, x * 2)
-        return x + 1
-
-
-@pytest.mark.parametrize("name, use", [
-    ("set_value", lambda p, t: p.set_value(t)),
-    ("get_future", lambda p, t: p.get_future()),
-    ("set_exception", lambda p, t: p.set_exception("no")),
-])
-def test_non_strict_export_of_promise_methods_says_why(name, use):
-    # Export runs the module's Python for real, with fake values: acting on the real promise
-    # would fulfil it with a fake tensor (or use up its future) and not be part of the program.
-    module = _UsesAPromiseWhileExported(use)
-    with pytest.raises(RuntimeError, match=f"promise's {name}.. while tracing .torch.export."):
-        torch.export.export(module, (torch.ones(2),), strict=False)
-    future = module.promise.get_future()  # untouched by the refused export
-    module.promise.set_value(torch.ones(1))
-    assert torch.equal(future.wait(WAIT_MS), torch.ones(1))
-
-
-class _SubclassWhileExported(torch.nn.Module):
-    def forward(self, x):
-        from torch.testing._internal.two_tensor import TwoTensor
-
-        return x + 1, dtorch_ops.to_torch_async(TwoTensor(x, x * 3))
-
-
-def test_non_strict_export_of_a_subclass_future_says_why():
-    with pytest.raises(RuntimeError, match="tensor subclass while tracing .torch.export."):
-        torch.export.export(_SubclassWhileExported(), (torch.ones(2),), strict=False)
-
-
 def test_eager_calls_while_another_thread_compiles(monkeypatch):
     # torch.compiler.is_compiling() is a process-wide flag, True in every thread while any thread
     # compiles: eager calls made meanwhile must behave as eager calls.
@@ -716,14 +433,6 @@ def test_compiled_vmap_refuses_like_eager():
         f(torch.ones(2, 3))
     with pytest.raises(RuntimeError, match="cannot run inside a torch.func transform"):
         _compile(f, fullgraph=False)(torch.ones(2, 3))
-
-
-@GRAPH_OPS
-def test_unflattened_export_of_a_module_that_creates_futures_runs():
-    unflattened = torch.export.unflatten(
-        torch.export.export(_ReturnsAFuture(), (torch.randn(2, 4),)))
-    out, future = unflattened(torch.ones(2, 4))
-    torch.testing.assert_close(future.wait(WAIT_MS), out.detach())
 
 
 @GRAPH_OPS
@@ -782,111 +491,6 @@ def test_fake_future_says_where_it_came_from():
         fut = torch.ops.dtorch.get_tensor_async(torch.empty(2))
     with pytest.raises(RuntimeError, match="fake kernel"):
         fut.get()
-
-
-# ---- torch.export ----
-
-
-class _Exported(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 1)
-
-    def forward(self, x, promise):
-        out = self.lin(x).sum()
-        torch.ops.dtorch.get_tensor(out.detach(), promise)
-        return out
-
-
-def test_export_with_a_promise_input_runs():
-    module = _Exported()
-    example_promise = dtorch_ops.TensorPromise()
-    example_future = example_promise.get_future()
-    ep = torch.export.export(module, (torch.randn(2, 4), example_promise.raw))
-    assert "dtorch.get_tensor.default" in str(ep.graph)
-    assert not example_future.is_ready()  # exporting traced the op, it did not run it
-    runnable = ep.module()
-    for _ in range(2):
-        x = torch.randn(2, 4)
-        promise = dtorch_ops.TensorPromise()
-        future = promise.get_future()
-        out = runnable(x, promise.raw)
-        torch.testing.assert_close(out, module(x, torch.classes.dtorch.TensorPromise("memory")))
-        torch.testing.assert_close(future.wait(WAIT_MS), out.detach())
-    assert not example_future.is_ready()
-
-
-class _ExportedWithWrappers(torch.nn.Module):
-    def forward(self, x, promise, done):
-        dtorch_ops.get_tensor(x * 2, promise)
-        dtorch_ops.sync_into("cpu", done)
-        return x + 1
-
-
-@GRAPH_OPS
-@pytest.mark.parametrize("strict", [False, True])
-def test_export_with_wrapper_promises_takes_them_as_inputs(strict):
-    # The promises are inputs of the program: each call fulfils the ones passed to it, never the
-    # example ones export traced with.
-    example, example_done = dtorch_ops.TensorPromise(), dtorch_ops.VoidPromise()
-    example_future, example_done_future = example.get_future(), example_done.get_future()
-    ep = torch.export.export(_ExportedWithWrappers(), (torch.ones(2), example, example_done),
-                             strict=strict)
-    runnable = ep.module()
-    for i in range(2):
-        promise, done = dtorch_ops.TensorPromise(), dtorch_ops.VoidPromise()
-        future, done_future = promise.get_future(), done.get_future()
-        out = runnable(torch.full((2,), float(i)), promise, done)
-        assert out.tolist() == [i + 1.0] * 2
-        assert future.wait(WAIT_MS).tolist() == [2.0 * i] * 2
-        assert done_future.wait(WAIT_MS) is None
-    assert not example_future.is_ready() and not example_done_future.is_ready()
-
-
-def test_saving_an_export_that_holds_a_memory_promise_says_why():
-    import io
-
-    ep = torch.export.export(_Exported(), (torch.randn(2, 4), dtorch_ops.TensorPromise().raw))
-    with pytest.raises(TypeError, match="memory promises cannot leave the process"):
-        torch.export.save(ep, io.BytesIO())
-
-
-class _ReturnsAFuture(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 1)
-
-    def forward(self, x):
-        out = self.lin(x).sum()
-        return out, dtorch_ops.to_torch_async(out.detach())
-
-
-@GRAPH_OPS
-@pytest.mark.parametrize("strict", [False, True])
-def test_export_of_a_module_that_creates_futures_runs(strict):
-    module = _ReturnsAFuture()
-    ep = torch.export.export(module, (torch.randn(2, 4),), strict=strict)
-    assert "dtorch.to_torch_async.default" in str(ep.graph)
-    runnable = ep.module()
-    futures = []
-    for _ in range(2):
-        x = torch.randn(2, 4)
-        out, future = runnable(x)
-        assert type(future) is dtorch_ops.TensorFuture
-        torch.testing.assert_close(out, module(x)[0])
-        torch.testing.assert_close(future.wait(WAIT_MS), out.detach())
-        futures.append(future)
-    assert futures[0] is not futures[1]
-
-
-@GRAPH_OPS
-def test_saving_an_export_that_creates_futures_names_the_limit():
-    import io
-
-    ep = torch.export.export(_ReturnsAFuture(), (torch.randn(2, 4),))
-    with pytest.raises(Exception, match="opaque Python object, which serialized programs "
-                                        r"\(torch.export.save\) cannot hold"):
-        torch.export.save(ep, io.BytesIO())
 
 
 # ---- autocast ----

@@ -1,5 +1,5 @@
 """Builds (CMake target test_core, CMakeLists.txt at the root) and runs the C++ tests of the
-torch-free core (tests/cpp/test_core.cpp)."""
+torch-free core (tests/cpp/test_core*.cpp)."""
 import os
 import subprocess
 

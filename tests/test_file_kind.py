@@ -1,8 +1,9 @@
 """The "file" kind: promise/future pairs across processes of one host, over /dev/shm.
 
 This process is the consumer; one producer process (spawn) serves the whole module, plus a few
-short-lived ones for the start methods. Failures (killed producers, untrusted handles, churn)
-are in test_file_failures.py.
+short-lived ones for the start methods. Failures (killed producers) are in
+test_file_failures.py, untrusted handles in test_file_untrusted.py, churn and resources at scale in
+test_file_scale.py.
 """
 import asyncio
 import multiprocessing

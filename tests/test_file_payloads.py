@@ -23,8 +23,8 @@ import dtorch_ops
 import file_workers
 from conftest import WAIT_MS
 from dtorch_ops import errors
-from test_file_failures import (CLEANUP_S, DEATH_NOTICED_S, FORK, Child, names_owned_by,
-                                shm_names, wait_until)
+from file_failure_helpers import (CLEANUP_S, DEATH_NOTICED_S, FORK, Child, names_owned_by,
+                                  shm_names, wait_until)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,11 +12,9 @@ import os
 import re
 import statistics
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 import dtorch_ops
@@ -24,6 +22,7 @@ import forged_messages as fm
 import network_workers
 from conftest import WAIT_MS, wait_until
 from dtorch_ops import errors
+from network_fixtures import store  # noqa: F401  (the module's store server)
 from producer_process import ProducerProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,15 +31,6 @@ SPAWN = torch_mp.get_context("spawn")
 HANDLE = re.compile(r"^dtorch-promise:1:network:tensor:127\.0\.0\.1:\d+:([0-9a-f]{32}):"
                     r"([0-9a-f]{32})$")
 CLEANUP_S = 3.0  # the tick deletes dropped pairs' keys every 0.5 s
-_SERVERS = []  # kept until the interpreter exits (the library deletes its keys there at exit)
-
-
-@pytest.fixture(scope="module")
-def store():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=30))
-    _SERVERS.append(server)
-    return server
 
 
 @pytest.fixture(scope="module")

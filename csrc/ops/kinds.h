@@ -20,6 +20,7 @@
 
 #include "../core/future_error.h"
 #include "../core/kind_registry.h"
+#include "../core/remote_promise.h"
 #include "../core/value_codec.h"
 
 namespace dtorch {
@@ -67,14 +68,29 @@ struct VoidCodecs {
   static std::string_view OptionsOf(const core::UnitCodec&) { return {}; }
 };
 
-// The deserializer of a kind whose serialized promise is a `Handle` (Handle::Parse, given the
-// type name of the value it must carry) and whose backend is Backend<T>(handle, codec), with the
-// codec made of the handle's value options (Codecs::ForSerialized).
-template <typename T, template <typename> class Backend, typename Handle, typename Codecs>
-std::unique_ptr<core::PromiseBackend<T>> DeserializeKind(std::string_view rest) {
-  auto handle = Handle::Parse(rest, Codecs::ForSerialized("")->TypeName());
-  auto codec = Codecs::ForSerialized(handle.value_options);
-  return std::make_unique<Backend<T>>(std::move(handle), std::move(codec));
-}
+// The registry entry of a kind whose pairs cross processes: its promises are
+// core::RemotePromise<T, K> over the kind's traits K, with codecs from `Codecs` (ForNewPair,
+// ForSerialized, OptionsOf). `create` makes a new pair from a kind spec's options (with New); a
+// serialized promise is a K::Handle (K::Handle::Parse, given the type name of the value it must
+// carry), its codec made of the handle's value options.
+template <typename T, typename K, typename Codecs>
+struct RemoteKindEntry {
+  // A new pair: RemotePromise<T, K>(codec, where..., the codec's options, which its serialized
+  // promises carry), `where` what the kind needs besides (a store's address; nothing).
+  template <typename Codec, typename... Where>
+  static std::unique_ptr<core::PromiseBackend<T>> New(const std::shared_ptr<const Codec>& codec,
+                                                      const Where&... where) {
+    return std::make_unique<core::RemotePromise<T, K>>(codec, where..., Codecs::OptionsOf(*codec));
+  }
+  static std::unique_ptr<core::PromiseBackend<T>> Deserialize(std::string_view rest) {
+    auto handle = K::Handle::Parse(rest, Codecs::ForSerialized("")->TypeName());
+    auto codec = Codecs::ForSerialized(handle.value_options);
+    return std::make_unique<core::RemotePromise<T, K>>(std::move(handle), std::move(codec));
+  }
+  static typename core::KindRegistry<T>::Entry Make(
+      typename core::KindRegistry<T>::Factory create) {
+    return {std::move(create), &Deserialize, ""};
+  }
+};
 
 }  // namespace dtorch

@@ -7,11 +7,10 @@
 - ``graph_ops``: the Python ops whose schemas return the future classes and take the promise
   classes as opaque reference types (``defined_ops``: None where this torch cannot);
 - ``opaque_types``: registers the future and promise classes as those types (``graph_ops.define``);
-- ``fake_classes``: the fake classes tracing sees for the TorchScript classes;
+- ``fakes``: the fake classes tracing sees for the TorchScript classes, and the fake kernels of
+  the C++-defined ops (the module the C++ library names in ``set_python_module``: torch checks
+  that they are registered from there);
 - ``lowerings``: inductor's lowerings of the ops and the DTensor rules.
-
-The fake kernels of the C++-defined ops are in ``dtorch_ops._fake``, the module the C++ library
-names (``set_python_module``): torch checks that they are registered from there.
 
 This ``__init__`` imports nothing: importing any of these modules runs it, from the future and
 promise modules too.

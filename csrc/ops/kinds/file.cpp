@@ -37,12 +37,9 @@ struct FileCodecs<core::Unit> : VoidCodecs<FileCodecs<core::Unit>> {
 
 template <typename T>
 typename core::KindRegistry<T>::Entry FileEntry() {
-  return {[](std::string_view options) -> std::unique_ptr<core::PromiseBackend<T>> {
-            const auto codec = FileCodecs<T>::ForNewPair(options);
-            return std::make_unique<core::FilePromise<T>>(codec, FileCodecs<T>::OptionsOf(*codec));
-          },
-          &DeserializeKind<T, core::FilePromise, core::FileHandle, FileCodecs<T>>,
-          ""};
+  using Entry = RemoteKindEntry<T, core::FileKind, FileCodecs<T>>;
+  return Entry::Make(
+      [](std::string_view options) { return Entry::New(FileCodecs<T>::ForNewPair(options)); });
 }
 
 const bool registered = RegisterKind(

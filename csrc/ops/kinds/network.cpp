@@ -51,22 +51,21 @@ struct NetworkCodecs<core::Unit> : VoidCodecs<NetworkCodecs<core::Unit>> {
 // "network://host:port[?<value options>]"
 template <typename T>
 typename core::KindRegistry<T>::Entry NetworkEntry() {
-  return {[](std::string_view options) -> std::unique_ptr<core::PromiseBackend<T>> {
-            if (options.empty()) {
-              throw std::invalid_argument(
-                  "dtorch: " + std::string(detail::PairNames<T>::kPromise) +
-                  " kind 'network' needs its store's address: \"network://host:port\" "
-                  "(Python: kind=\"network\", store=a TCPStore or \"host:port\")");
-            }
-            const auto query = options.find('?');
-            const auto store = core::StoreAddress::Parse(options.substr(0, query));
-            const auto codec = NetworkCodecs<T>::ForNewPair(
-                query == std::string_view::npos ? std::string_view() : options.substr(query + 1));
-            return std::make_unique<core::NetworkPromise<T>>(codec, store,
-                                                            NetworkCodecs<T>::OptionsOf(*codec));
-          },
-          &DeserializeKind<T, core::NetworkPromise, core::NetworkHandle, NetworkCodecs<T>>,
-          ""};
+  using Entry = RemoteKindEntry<T, core::NetworkKind, NetworkCodecs<T>>;
+  return Entry::Make([](std::string_view options) {
+    if (options.empty()) {
+      throw std::invalid_argument(
+          "dtorch: " + std::string(detail::PairNames<T>::kPromise) +
+          " kind 'network' needs its store's address: \"network://host:port\" "
+          "(Python: kind=\"network\", store=a TCPStore or \"host:port\")");
+    }
+    const auto query = options.find('?');
+    const auto store = core::StoreAddress::Parse(options.substr(0, query));
+    return Entry::New(NetworkCodecs<T>::ForNewPair(
+                          query == std::string_view::npos ? std::string_view()
+                                                          : options.substr(query + 1)),
+                      store);
+  });
 }
 
 const bool registered = RegisterKind(

@@ -8,8 +8,6 @@
 
 namespace dtorch::core::file_internal {
 
-// The payload segment's name a producer wrote into the block, checked (it must be named for this
-// process, the consumer: a producer's names for it are): "" when there is none or it is not.
 std::string PayloadNameIn(const FileControlBlock* block) {
   const std::string name = ReadName(block->payload);
   ProcessId owner;
@@ -26,8 +24,6 @@ bool MayBePayload(const std::string& name) {
          static_cast<uint64_t>(info.st_size) != kSegmentBytes;
 }
 
-// Unlinks the payload segment the block names if it is still named (a new segment nobody has
-// received); returns its name ("" when there is none, or it is corrupt).
 std::string UnlinkNamedPayload(const FileControlBlock* block) {
   const std::string name = PayloadNameIn(block);
   if (!name.empty() && MayBePayload(name)) shm::Unlink(name);
@@ -74,7 +70,6 @@ void ReleaseWhatDeadConsumersLeft(const std::optional<ProcessId>& consumer) noex
   shm::ReapSegmentsOfDeadProcesses();
 }
 
-// The pair's producer died before publishing: what it was writing goes.
 void DiscardPayloadOfDeadProducer(const FileControlBlock* block) {
   const std::string name = UnlinkNamedPayload(block);
   if (!name.empty()) payload::Discard(name);  // (one this process mapped already)
@@ -95,7 +90,6 @@ bool ParseHex(std::string_view hex, unsigned char* out, size_t bytes) {
   return true;
 }
 
-// How many bytes of `text`'s start (end) fit in `room`, cut at a UTF-8 character boundary.
 size_t Utf8Prefix(const std::string& text, size_t room) {
   size_t bytes = std::min(text.size(), room);
   if (bytes < text.size()) {

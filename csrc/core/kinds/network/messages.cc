@@ -18,7 +18,6 @@ bool IsHostText(std::string_view s) {
          });
 }
 
-// This kernel's boot id, without dashes ("" when it cannot be read).
 const std::string& BootId() {
   // (Leaked: read by the exit's store thread, which may outlive static destruction.)
   static const std::string& id = *new std::string([] {
@@ -51,7 +50,6 @@ uint64_t ThisPidNamespace() {
   }
 }
 
-// This process, for the attach messages of its attachment `attachment`.
 HolderInfo ThisHolder(bool deserialized, const std::string& attachment) {
   HolderInfo info;
   info.deserialized = deserialized;
@@ -69,10 +67,6 @@ HolderInfo ThisHolder(bool deserialized, const std::string& attachment) {
   return info;
 }
 
-// A consumer's identity, written as it starts its first pair ("<uid>:<pid>:<start time>:<pid
-// namespace>:<boot id>"): a producer of the same user on the same kernel finds it gone at once,
-// by pid, rather than after its heartbeat timeout, and deletes what it sent it (also at its own
-// exit). "" where this process cannot tell who it is (no /proc of its own): none is written.
 std::string EncodeIdentity() {
   try {
     const HolderInfo self = ThisHolder(false, "");
@@ -85,9 +79,6 @@ std::string EncodeIdentity() {
   }
 }
 
-// The process `text` names when it is this user's and runs on this kernel in this pid namespace
-// (another user's may be hidden from /proc: hidepid); nullopt when it runs elsewhere or `text` is
-// no identity (read from the store: untrusted).
 std::optional<ProcessId> LocalProcessOf(std::string_view text) {
   uint64_t fields[4] = {};
   size_t pos = 0;
@@ -116,9 +107,6 @@ std::string EncodeHead(MessageType type, const std::string& pair, const std::str
 }
 
 
-// 'A': u8 flags (1: a deserialization) | i32 pid | u64 start time | u64 pid namespace |
-// u8 boot id bytes (0 or 32) | boot id | u8 host bytes | host | the attachment (16 hex digits).
-// 'D': the head | the attachment.
 std::string EncodeAttach(const std::string& pair, const std::string& producer,
                          const HolderInfo& h) {
   std::string out = EncodeHead(kAttach, pair, producer);
@@ -134,8 +122,6 @@ std::string EncodeAttach(const std::string& pair, const std::string& producer,
   return out;
 }
 
-// A value message's error: u8 exception type bytes | type | u16 detail bytes | detail |
-// the traceback (the rest), in its header field.
 std::string EncodeErrorText(const ErrorInfo& error) {
   std::string type = ValidExceptionType(error.origin.exception_type)
                          ? error.origin.exception_type : std::string();
@@ -151,7 +137,6 @@ std::string EncodeErrorText(const ErrorInfo& error) {
   return out;
 }
 
-// The error a value message carries (untrusted: nullopt when it is malformed).
 std::optional<ErrorInfo> DecodeErrorText(uint32_t code, std::string_view text) {
   if (text.size() < 3) return std::nullopt;
   const size_t type_bytes = static_cast<unsigned char>(text[0]);
@@ -183,8 +168,6 @@ std::string EncodeValue(const std::string& pair, const std::string& producer,
   return out;
 }
 
-// Parses a message (untrusted); nullopt when it is not one. `bytes` outlives the result's
-// inline_payload.
 std::optional<Message> Decode(const std::string& bytes) {
   Message m;
   if (bytes.empty()) return std::nullopt;

@@ -40,8 +40,7 @@ bool ProducerImpl::Awaited(Session& session, const NetworkHandle& handle,
 }
 
 void ProducerImpl::SendLocked(const std::string& message) {
-  session_->store().QueuePush(QueueKey(handle_.consumer), message);
-  session_->Sent(handle_.consumer, handle_.pair, 0);
+  session_->SendTo(handle_.consumer, handle_.pair, 0, message);
 }
 
 void ProducerImpl::AnnounceLocked(bool deserialized) {
@@ -122,10 +121,9 @@ ProducerImpl::~ProducerImpl() {
               }
               if (!attach.empty()) session->store().QueuePush(QueueKey(handle.consumer), attach);
             }
-            session->store().QueuePush(
-                QueueKey(handle.consumer),
-                EncodeHead(kDropped, handle.pair, session->id()) + AttachmentOf(claim));
-            session->Sent(handle.consumer, handle.pair, 0);
+            session->SendTo(handle.consumer, handle.pair, 0,
+                            EncodeHead(kDropped, handle.pair, session->id()) +
+                                AttachmentOf(claim));
           }
         } catch (...) {
         }
@@ -165,8 +163,8 @@ void ProducerImpl::PublishValue(const std::string& header, std::string payload) 
   v.checksum = Checksum(payload.data(), payload.size());
   try {
     if (payload.size() <= kInlineValueBytes) {
-      session_->store().QueuePush(QueueKey(handle_.consumer),
-                                  EncodeValue(handle_.pair, session_->id(), v, payload));
+      session_->SendTo(handle_.consumer, handle_.pair, 0,
+                       EncodeValue(handle_.pair, session_->id(), v, payload));
     } else {
       if (handle_.consumer != session_->id() && session_->ConsumerGoneHere(handle_.consumer)) {
         // Nobody will read it: no chunk is written, and what the consumer left goes (the claim
@@ -184,8 +182,8 @@ void ProducerImpl::PublishValue(const std::string& header, std::string payload) 
             ChunkKey(handle_.pair, i),
             std::string_view(payload).substr(start, std::min(kChunkBytes, payload.size() - start)));
       }
-      session_->store().QueuePush(QueueKey(handle_.consumer),
-                                  EncodeValue(handle_.pair, session_->id(), v, {}));
+      session_->SendTo(handle_.consumer, handle_.pair, v.chunks,
+                       EncodeValue(handle_.pair, session_->id(), v, {}));
     }
   } catch (const StoreError& e) {
     const FutureError error = Unreachable(handle_.store, e);
@@ -197,7 +195,6 @@ void ProducerImpl::PublishValue(const std::string& header, std::string payload) 
     throw error;
   }
   published_ = true;
-  session_->Sent(handle_.consumer, handle_.pair, v.chunks);
 }
 
 void ProducerImpl::PublishError(const ErrorInfo& error) noexcept {
@@ -206,10 +203,9 @@ void ProducerImpl::PublishError(const ErrorInfo& error) noexcept {
     v.error = true;
     v.code = static_cast<uint32_t>(error.code);
     v.header = EncodeErrorText(error);
-    session_->store().QueuePush(QueueKey(handle_.consumer),
-                                EncodeValue(handle_.pair, session_->id(), v, {}));
+    session_->SendTo(handle_.consumer, handle_.pair, 0,
+                     EncodeValue(handle_.pair, session_->id(), v, {}));
     published_ = true;
-    session_->Sent(handle_.consumer, handle_.pair, 0);
   } catch (...) {
     // (The store cannot be reached: the consumer learns of it through its own connection.)
   }

@@ -61,7 +61,6 @@ void EnsureTicking() {
   ++kind_threads;
 }
 
-// Wakes the tick thread to delete what a session queued (starting it if need be).
 void DeleteSoonOnTickThread() {
   {
     Registry& reg = Current();

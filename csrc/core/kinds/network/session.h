@@ -87,11 +87,26 @@ class Session : public std::enable_shared_from_this<Session> {
   // deleted, and its heartbeat and identity. Throws StoreError.
   void DeleteWhatADeadConsumerLeft(const std::string& consumer,
                                    const std::vector<std::string>& pairs);
-  // A message about `pair` went to `consumer`'s queue: what it names is this process's to delete
-  // should that consumer die before reading it.
-  void Sent(const std::string& consumer, const std::string& pair, uint32_t chunks) {
-    std::lock_guard<std::mutex> lock(mu_);
-    sent_[consumer].push_back({pair, chunks});
+  // Pushes `message`, about `pair` (a value in `chunks` chunks, or none), to `consumer`'s queue:
+  // what it names is this process's to delete should that consumer die before reading it. It is
+  // recorded before the push, so that a clean-up draining the queue meanwhile knows the message
+  // as this process's (a record made after the push would miss it, and the chunks would stay).
+  // Throws StoreError.
+  void SendTo(const std::string& consumer, const std::string& pair, uint32_t chunks,
+              const std::string& message) {
+    uint64_t seq;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      seq = ++sent_seq_;
+      sent_[consumer].push_back({pair, chunks, seq, false});
+    }
+    try {
+      store_->QueuePush(QueueKey(consumer), message);
+    } catch (...) {
+      MarkPushed(consumer, seq);  // (it may have arrived: known read once the queue is empty)
+      throw;
+    }
+    MarkPushed(consumer, seq);
   }
   // The pairs this process sent `consumer` messages about, not yet known read.
   std::vector<std::string> SentPairs(const std::string& consumer) {
@@ -120,7 +135,19 @@ class Session : public std::enable_shared_from_this<Session> {
   struct SentPair {
     std::string pair;
     uint32_t chunks;
+    uint64_t seq;  // (which record: the same pair may be sent more than one message)
+    bool pushed;   // its push returned (until then an empty queue does not mean it was read)
   };
+  void MarkPushed(const std::string& consumer, uint64_t seq) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const auto it = sent_.find(consumer); it != sent_.end()) {
+      for (auto& sent : it->second) {
+        if (sent.seq == seq) sent.pushed = true;
+      }
+    }
+  }
+  // Whether a message about `pair` to `consumer` is recorded here (not yet known read).
+  bool SentToLocked(const std::string& consumer, const std::string& pair) const;
   void StartWatcherLocked();
   void Watch(const std::shared_ptr<KeyValueStore>& connection);
   void Handle(KeyValueStore& connection, const Message& m);
@@ -174,6 +201,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool identity_written_ = false;  // guarded by mu_: as a consumer
   int64_t producers_ = 0;  // guarded by mu_: announced NetworkProducers of this process here
   std::map<std::string, std::vector<SentPair>> sent_;  // guarded by mu_: by consumer
+  uint64_t sent_seq_ = 0;                              // guarded by mu_
   std::vector<PairKeys> cleanups_;                     // guarded by mu_
   // guarded by mu_: pairs dropped here, oldest first (at most kForgottenPairsKept)
   std::deque<std::string> forgotten_order_;

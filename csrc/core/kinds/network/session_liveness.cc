@@ -1,5 +1,7 @@
 // A session's tick: its producers' liveness (heartbeats, processes on this kernel), clean-up
 // for consumers that are gone, and its stop.
+#include <algorithm>
+
 #include "consumer.h"
 
 namespace dtorch::core::network_internal {
@@ -166,11 +168,17 @@ void Session::CleanUpForConsumers() {
       received = true;
     }
     if (received) {
+      // (Only what was pushed before the queue was read above: more may have been sent, or be
+      // on its way, meanwhile.)
+      std::set<uint64_t> done;
+      for (const auto& p : pairs) {
+        if (p.pushed) done.insert(p.seq);
+      }
       std::lock_guard<std::mutex> lock(mu_);
       auto& now_sent = sent_[consumer];
-      // (Only what was read above: more may have been sent meanwhile.)
-      now_sent.erase(now_sent.begin(),
-                     now_sent.begin() + std::min(now_sent.size(), pairs.size()));
+      now_sent.erase(std::remove_if(now_sent.begin(), now_sent.end(),
+                                    [&](const SentPair& p) { return done.count(p.seq) != 0; }),
+                     now_sent.end());
       if (now_sent.empty()) {
         sent_.erase(consumer);
         consumers_liveness_.erase(consumer);
@@ -185,7 +193,7 @@ void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
   // The consumer will not read its queue: drain it (as many items as it holds now: a sender
   // that goes on pushing does not hold this thread), and delete the keys of `pairs` (what this
   // process sent it, or at its own exit its own pairs: claims, and the chunks a value message
-  // for one names), in batches. A message naming another pair is not this process's to act on
+  // for one names or its record here says), in batches. A message naming another pair is not this process's to act on
   // (a forged one may name anyone's pair): another producer's goes back to the queue, for that
   // producer's own clean-up; one that claims to be this process's is forged, and dropped.
   const std::string queue = QueueKey(consumer);
@@ -193,25 +201,56 @@ void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
   std::set<std::string> ours(pairs.begin(), pairs.end());
   std::vector<PairKeys> doomed;
   for (const auto& pair : ours) doomed.push_back({pair, true, 0});
-  if (own) {  // (the pairs dropped here too: a late value's chunks are named by its message)
+  std::set<std::string> chunked;  // the pairs whose chunks are in doomed
+  {
     std::lock_guard<std::mutex> lock(mu_);
-    ours.insert(forgotten_.begin(), forgotten_.end());
+    if (own) {  // (the pairs dropped here too: a late value's chunks are named by its message)
+      ours.insert(forgotten_.begin(), forgotten_.end());
+    } else if (const auto it = sent_.find(consumer); it != sent_.end()) {
+      // The chunks of the values sent it, as recorded (whether or not their messages are still
+      // in its queue when it is drained below).
+      for (const auto& sent : it->second) {
+        if (sent.chunks > 0 && ours.count(sent.pair) != 0 && chunked.insert(sent.pair).second) {
+          doomed.push_back({sent.pair, false, sent.chunks});
+        }
+      }
+    }
   }
   std::vector<std::string> others;
   DrainQueue(*store_, queue, [&](const std::string& bytes) {
     const std::optional<Message> m = Decode(bytes);
     if (!m || m->type == kWake) return;
     if (ours.count(m->pair) == 0) {
-      if (!own && m->producer != id_) others.push_back(bytes);
-      return;
+      if (own) return;
+      if (m->producer != id_) {
+        others.push_back(bytes);
+        return;
+      }
+      // (Sent after `pairs` was read: this process's all the same if it is recorded, as a
+      // message is before its push, and its claim goes too. Otherwise forged, and dropped.)
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!SentToLocked(consumer, m->pair)) return;
+      }
+      ours.insert(m->pair);
+      doomed.push_back({m->pair, true, 0});
     }
-    if (m->type == kValue && m->value.chunks > 0) doomed.push_back({m->pair, false, m->value.chunks});
+    if (m->type == kValue && m->value.chunks > 0 && chunked.insert(m->pair).second) {
+      doomed.push_back({m->pair, false, m->value.chunks});
+    }
   });
   DeleteKeysOf(*store_, doomed);
   for (const auto& bytes : others) store_->QueuePush(queue, bytes);
   store_->DeleteKeys({HeartbeatKey(consumer), IdentityKey(consumer)});
   std::lock_guard<std::mutex> lock(mu_);
   consumer_processes_.erase(consumer);
+}
+
+bool Session::SentToLocked(const std::string& consumer, const std::string& pair) const {
+  const auto it = sent_.find(consumer);
+  if (it == sent_.end()) return false;
+  return std::any_of(it->second.begin(), it->second.end(),
+                     [&](const SentPair& sent) { return sent.pair == pair; });
 }
 
 bool Session::ConsumerGoneHere(const std::string& consumer) {

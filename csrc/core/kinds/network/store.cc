@@ -6,7 +6,6 @@ namespace dtorch::core::network_internal {
 
 using std::chrono::milliseconds;
 
-// The next batch's size, given the backlog and the largest item of the last batch.
 size_t PopBatchSize(int64_t backlog, size_t largest_item) {
   if (largest_item > kLargeItemBytes) return 1;
   return static_cast<size_t>(std::max<int64_t>(1, std::min<int64_t>(backlog, kPopBatch)));
@@ -43,7 +42,6 @@ bool IsId(std::string_view s) {
          });
 }
 
-// The attachment's part of a claim value ("<store id>/<attachment>").
 std::string AttachmentOf(const std::string& claim) { return claim.substr(kIdHexDigits + 1); }
 
 bool IsClaimValue(std::string_view s) {
@@ -65,9 +63,6 @@ std::string ChunkKey(const std::string& pair, uint32_t i) {
   return kKeyPrefix + std::string("v/") + pair + "/" + std::to_string(i);
 }
 
-// Deletes what `doomed` names, in pipelined batches of kBatch deletes (a pair's first chunk goes
-// with its claim; the rest in batches while they exist). Throws StoreError; what is left to
-// delete then stays in `doomed`.
 void DeleteKeysOf(KeyValueStore& store, std::vector<PairKeys>& doomed) {
   struct Next {
     size_t index;      // in doomed
@@ -125,9 +120,6 @@ void DeleteKeysOf(KeyValueStore& store, std::vector<PairKeys>& doomed) {
   }
 }
 
-// Pops what `queue` holds now, in batches of kPopBatch, and passes each item to `each`: as many
-// items as it held when this began, at most (a sender that goes on pushing does not hold the
-// caller). Throws StoreError.
 void DrainQueue(KeyValueStore& store, const std::string& queue,
                 const std::function<void(const std::string&)>& each) {
   int64_t left = store.QueueLength(queue);
@@ -143,7 +135,6 @@ void DrainQueue(KeyValueStore& store, const std::string& queue,
 }
 
 
-// A heartbeat key's counter as read, 0 when it has none (or holds no counter: untrusted).
 int64_t HeartbeatOf(const std::string& text) {
   int64_t beat = 0;
   const auto parsed = std::from_chars(text.data(), text.data() + text.size(), beat);
@@ -151,12 +142,10 @@ int64_t HeartbeatOf(const std::string& text) {
                                                                                           : 0;
 }
 
-// A process's heartbeat counter (HeartbeatOf), read without making its key. Throws StoreError.
 int64_t ReadHeartbeat(KeyValueStore& store, const std::string& process) {
   return HeartbeatOf(store.CompareSet(HeartbeatKey(process), kMissing, kMissing));
 }
 
-// The heartbeats of `processes`, in pipelined batches of kBatch.
 std::vector<int64_t> ReadHeartbeats(KeyValueStore& store, const std::vector<std::string>& processes) {
   std::vector<int64_t> beats;
   beats.reserve(processes.size());
@@ -187,9 +176,6 @@ FutureError Unreachable(const StoreAddress& address, const std::exception& e) {
                          "and reachable from this host?");
 }
 
-// A checksum of a value's bytes (against corruption and truncation, not tampering: the store is
-// trusted as far as its network is). Four independent multiply-xor lanes over 8-byte words: a
-// few GB/s, next to the network's speed.
 uint64_t Checksum(const char* data, size_t n) {
   constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;
   uint64_t h[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull,

@@ -4,8 +4,7 @@ While tracing, script objects become FakeScriptObjects built from ``__obj_flatte
 only, so Dynamo guards on the kind and does not recompile per object) and ops run these Python
 fake kernels. The C++ library names this module (``set_python_module``) so that torch asks for it
 when the ops are used without ``import dtorch_ops``; torch also checks that the fake kernels of
-the C++-defined ops are registered from the module so named, which is why this one is not in
-dtorch_ops.compile (where the Python-defined ops and the inductor lowerings are).
+the C++-defined ops are registered from the module so named.
 """
 import logging
 import sys
@@ -13,7 +12,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .compile.graph_ops import register_ordered_effect, require_fake_mode
+from .graph_ops import register_ordered_effect, require_fake_mode
 
 
 def _unflatten(cls, flattened):
