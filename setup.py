@@ -147,6 +147,9 @@ def _without_libtorch_python(ext):
 CUDA_HOME = _cuda_home()
 LIB_SOURCES = _sources("core/**/*.cc", "ops/**/*.cpp", "*.cpp")
 LIB_INCLUDE = [PUBLIC_INCLUDE, *BOOST_INCLUDE]
+# (An extension is rebuilt when one of these is newer than it, not only a source: build/ persists,
+# and ninja then recompiles what includes the changed header.)
+LIB_HEADERS = _sources("**/*.h")
 LIB_LIBRARIES = []
 if CUDA_HOME is not None:
     # Plain C++ (no kernels): the runtime's headers, and torch's c10_cuda (its caching allocator,
@@ -167,6 +170,7 @@ setup(
                 include_dirs=LIB_INCLUDE,
                 libraries=LIB_LIBRARIES,
                 extra_compile_args={"cxx": CXX_FLAGS},
+                depends=LIB_HEADERS,
                 # A SONAME, so that CMake links the library by its path (dtorch_ops::dtorch_ops), not
                 # as -ldtorch_ops found on the search path; the version script limits the exports.
                 extra_link_args=["-Wl,-soname,libdtorch_ops.so",
@@ -179,6 +183,7 @@ setup(
             sources=_sources("python/*.cpp"),
             include_dirs=[PUBLIC_INCLUDE],
             extra_compile_args={"cxx": CXX_FLAGS},
+            depends=LIB_HEADERS,
             extra_link_args=["-l:libdtorch_ops.so", "-Wl,-rpath,$ORIGIN"],
         ),
     ],

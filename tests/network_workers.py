@@ -1,6 +1,6 @@
-"""Functions that test_network.py and test_network_failures.py run in their other processes: producers and consumers (spawned
-producer_process.ProducerProcess children, which run these by reference), the TCPStore server
-the test kills, and the fuzzer of serialized promises.
+"""Functions that test_network.py and test_network_failures.py run in their other processes:
+producers and consumers (spawned producer_process.ProducerProcess children, which run these by
+reference), the TCPStore server the test kills, and the fuzzer of serialized promises.
 
 A process keeps what it must hold between two calls (a consumer's future, a producer's attached
 promise) in _KEPT, by a name the test gives.

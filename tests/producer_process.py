@@ -1,7 +1,7 @@
 """A persistent producer process for the file-kind tests (test_file_kind.py,
-test_file_failures.py and the other file-kind modules): the test process is the consumer; the producer runs functions the test
-sends it, by reference (so they live in modules a spawned child can import: pytest puts tests/ on
-sys.path, which spawn hands to the child).
+test_file_failures.py and the other file-kind modules): the test process is the consumer; the
+producer runs functions the test sends it, by reference (so they live in modules a spawned child
+can import: pytest puts tests/ on sys.path, which spawn hands to the child).
 
 ProducerProcess(context).call(function, *args) runs function(*args) there and returns its value,
 or raises its error rebuilt as the same class where that is one of dtorch_ops.errors' or a

@@ -130,7 +130,7 @@ def _get_tensor_async_fake(input):
     # The op's output must convert to the schema's class type (a FakeScriptObject does not), so
     # the fake output is a real future that can only report that it came from tracing. Dynamo
     # (torch 2.13) then graph-breaks at the op and runs it eagerly: ops returning a new script
-    # object cannot be captured (tests/test_compile.py, ..._fall_back_with_a_graph_break).
+    # object cannot be captured (tests/test_compile.py, test_the_raw_future_op_breaks_the_graph).
     return _failed_future("get_tensor_async")
 
 
@@ -145,7 +145,7 @@ def _copy_to_host_async_fake(input):
 def _copy_list_to_host_async_fake(inputs):
     for input in inputs:
         require_fake_mode("copy_list_to_host_async", input)
-    from . import _C
+    from .. import _C
 
     return _C.failed_tensor_list_future(
         "this TensorListFuture came from dtorch::copy_list_to_host_async's fake kernel "

@@ -141,8 +141,12 @@ class Session : public std::enable_shared_from_this<Session> {
   void MarkPushed(const std::string& consumer, uint64_t seq) {
     std::lock_guard<std::mutex> lock(mu_);
     if (const auto it = sent_.find(consumer); it != sent_.end()) {
-      for (auto& sent : it->second) {
-        if (sent.seq == seq) sent.pushed = true;
+      // (From the back: the newest records are the ones being pushed.)
+      for (auto sent = it->second.rbegin(); sent != it->second.rend(); ++sent) {
+        if (sent->seq == seq) {
+          sent->pushed = true;
+          break;
+        }
       }
     }
   }

@@ -193,7 +193,7 @@ void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
   // The consumer will not read its queue: drain it (as many items as it holds now: a sender
   // that goes on pushing does not hold this thread), and delete the keys of `pairs` (what this
   // process sent it, or at its own exit its own pairs: claims, and the chunks a value message
-  // for one names or its record here says), in batches. A message naming another pair is not this process's to act on
+  // for one names), in batches. A message naming another pair is not this process's to act on
   // (a forged one may name anyone's pair): another producer's goes back to the queue, for that
   // producer's own clean-up; one that claims to be this process's is forged, and dropped.
   const std::string queue = QueueKey(consumer);
@@ -201,20 +201,9 @@ void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
   std::set<std::string> ours(pairs.begin(), pairs.end());
   std::vector<PairKeys> doomed;
   for (const auto& pair : ours) doomed.push_back({pair, true, 0});
-  std::set<std::string> chunked;  // the pairs whose chunks are in doomed
-  {
+  if (own) {  // (the pairs dropped here too: a late value's chunks are named by its message)
     std::lock_guard<std::mutex> lock(mu_);
-    if (own) {  // (the pairs dropped here too: a late value's chunks are named by its message)
-      ours.insert(forgotten_.begin(), forgotten_.end());
-    } else if (const auto it = sent_.find(consumer); it != sent_.end()) {
-      // The chunks of the values sent it, as recorded (whether or not their messages are still
-      // in its queue when it is drained below).
-      for (const auto& sent : it->second) {
-        if (sent.chunks > 0 && ours.count(sent.pair) != 0 && chunked.insert(sent.pair).second) {
-          doomed.push_back({sent.pair, false, sent.chunks});
-        }
-      }
-    }
+    ours.insert(forgotten_.begin(), forgotten_.end());
   }
   std::vector<std::string> others;
   DrainQueue(*store_, queue, [&](const std::string& bytes) {
@@ -235,9 +224,7 @@ void Session::DeleteWhatADeadConsumerLeft(const std::string& consumer,
       ours.insert(m->pair);
       doomed.push_back({m->pair, true, 0});
     }
-    if (m->type == kValue && m->value.chunks > 0 && chunked.insert(m->pair).second) {
-      doomed.push_back({m->pair, false, m->value.chunks});
-    }
+    if (m->type == kValue && m->value.chunks > 0) doomed.push_back({m->pair, false, m->value.chunks});
   });
   DeleteKeysOf(*store_, doomed);
   for (const auto& bytes : others) store_->QueuePush(queue, bytes);
