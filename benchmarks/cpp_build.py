@@ -14,10 +14,14 @@ class CppBuildError(RuntimeError):
     """The configure or build step failed or ran out of time; the message holds its output."""
 
 
-def _run(step, command, timeout):
+def _run(step, command, timeout, nice=False, running=None):
     # A session of its own, so that a timeout ends the compilers make started, not cmake alone.
+    if nice:  # (the lowest CPU priority: it takes what other work leaves idle)
+        command = ["nice", "-n", "19", *command]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True) as proc:
+        if running is not None:
+            running.append(proc)
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -37,18 +41,22 @@ def _configured(build_dir):
 
 
 def build_cpp_target(target, build_dir, *, cmake="cmake", build_type="", configure_args=(),
-                     configure_timeout=120, build_timeout=300, source_dir=None):
+                     configure_timeout=120, build_timeout=300, source_dir=None, nice=False,
+                     running=None):
     """Configures the project (the root one, or `source_dir`'s: examples/cpp builds on its own
     too) in build_dir unless a configure step completed there, builds
     `target` (2 jobs) and returns the binary's path. build_type "" lets each target choose its
     own flags (CMakeLists.txt). DTORCH_BOOST_INCLUDE and CXX are read from the environment at the
-    first configure. Raises CppBuildError with the step's output on failure or timeout."""
+    first configure. `nice`: at the lowest CPU priority; `running`: a list each step's Popen is
+    appended to (to end it from elsewhere: os.killpg). Raises CppBuildError with the step's output
+    on failure or timeout."""
     build_dir = os.fspath(build_dir)
     if not _configured(build_dir):
-        _run("configure", [cmake, "-S", os.fspath(source_dir or REPO), "-B", build_dir, f"-DCMAKE_BUILD_TYPE={build_type}",
-                           *configure_args], configure_timeout)
+        _run("configure", [cmake, "-S", os.fspath(source_dir or REPO), "-B", build_dir,
+                           f"-DCMAKE_BUILD_TYPE={build_type}", *configure_args],
+             configure_timeout, nice, running)
     _run("build", [cmake, "--build", build_dir, "--target", target, "--parallel", "2"],
-         build_timeout)
+         build_timeout, nice, running)
     binary = os.path.join(build_dir, target)
     if not os.path.isfile(binary):
         raise CppBuildError(f"built {target}, but {binary} does not exist")

@@ -149,3 +149,25 @@ def nothing_left_in_dev_shm():
             break
         time.sleep(0.05)
     assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+# ---- the core's C++ tests: built while the others run (core_build.py) ----
+
+def _is_core_cpp(item) -> bool:
+    return os.path.basename(str(item.fspath)) == "test_core_cpp.py"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=_is_core_cpp)  # (stable: the rest keep their order) last, as its build runs
+
+
+def pytest_collection_finish(session):
+    if not session.config.option.collectonly and any(map(_is_core_cpp, session.items)):
+        import core_build
+
+        core_build.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "core_build" in sys.modules:
+        sys.modules["core_build"].cleanup()

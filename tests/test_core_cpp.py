@@ -1,22 +1,22 @@
 """Builds (CMake target test_core, CMakeLists.txt at the root) and runs the C++ tests of the
-torch-free core (tests/cpp/test_core*.cpp)."""
+torch-free core (tests/cpp/test_core*.cpp). The build runs in the background from the session's
+start (core_build.py); this module runs last (conftest.py)."""
 import os
 import subprocess
 
+import pytest
+
+import core_build
 from conftest import require_tool
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "benchmarks")
 
-
-def test_core_cpp(tmp_path, monkeypatch):
+# (The build's wait counts: the session runs this test last, its build started at the beginning.)
+@pytest.mark.timeout(900)
+def test_core_cpp(tmp_path):
     cmake = require_tool("cmake", "cannot build the core's C++ tests (CMakeLists.txt)")
-    monkeypatch.syspath_prepend(BENCHMARKS)  # the one C++ build helper, shared with the benchmarks
-    from cpp_build import build_cpp_target
-
     # Under ASan/UBSan (CMakeLists.txt); Boost from DTORCH_BOOST_INCLUDE where the system has none
     # (the GPU machine: scripts/device_check.sh). Raises with the build's output on failure.
-    binary = build_cpp_target("test_core", tmp_path / "build", cmake=cmake)
+    binary = core_build.result(cmake, tmp_path / "build", timeout_s=600)
     # Stopping at exit leaks what it dropped, on purpose (the runtime below may be gone at exit,
     # and a file pair's last reference may go later in the exit, on another thread).
     suppressions = tmp_path / "lsan.supp"
