@@ -20,6 +20,14 @@ _lock = threading.Lock()
 _build = None  # guarded by _lock: the one background build of this session
 
 
+def _build_cpp_target(*args, **kwargs) -> str:
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)  # the one C++ build helper (cpp_build.py)
+    from cpp_build import build_cpp_target
+
+    return build_cpp_target(TARGET, *args, **kwargs)
+
+
 class _Build:
     def __init__(self, cmake: str):
         self.directory = tempfile.mkdtemp(prefix="dtorch-test-core-")
@@ -31,14 +39,10 @@ class _Build:
         self.thread.start()
 
     def _run(self, cmake):
-        if BENCHMARKS not in sys.path:
-            sys.path.insert(0, BENCHMARKS)  # the one C++ build helper (cpp_build.py)
-        from cpp_build import build_cpp_target
         try:
             # (Bounded, but long: the other tests may leave it little CPU until it runs alone.)
-            self.binary = build_cpp_target(TARGET, os.path.join(self.directory, "build"),
-                                           cmake=cmake, build_timeout=1800, nice=True,
-                                           running=self.running)
+            self.binary = _build_cpp_target(os.path.join(self.directory, "build"), cmake=cmake,
+                                            build_timeout=1800, nice=True, running=self.running)
         except BaseException as e:  # (reported by result(), in the test)
             self.error = e
 
@@ -58,10 +62,7 @@ def result(cmake: str, build_dir, timeout_s: float) -> str:
     with _lock:
         build = _build
     if build is None:
-        if BENCHMARKS not in sys.path:
-            sys.path.insert(0, BENCHMARKS)
-        from cpp_build import build_cpp_target
-        return build_cpp_target(TARGET, build_dir, cmake=cmake)
+        return _build_cpp_target(build_dir, cmake=cmake)
     build.thread.join(timeout_s)
     if build.thread.is_alive():
         raise TimeoutError(f"the background build of {TARGET} ran past {timeout_s} s more")
