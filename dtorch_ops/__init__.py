@@ -86,6 +86,10 @@ class _MultiprocessingChildExit:
 
 _multiprocessing_child_exit = _MultiprocessingChildExit()
 
+from . import _pair_groups  # noqa: E402
+
+_pair_groups.register(_C)
+
 from .config import config  # noqa: E402
 from . import errors  # noqa: E402
 from .errors import (  # noqa: E402

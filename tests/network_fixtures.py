@@ -27,7 +27,9 @@ from producer_process import ProducerProcess
 
 SPAWN = torch_mp.get_context("spawn")
 KEY_PREFIX = "dtorch/n/"
-HANDLE = re.compile(r"^dtorch-promise:1:network:(tensor|void):127\.0\.0\.1:(\d+):([0-9a-f]{32}):"
+# (Format 2, "v2:g:" first, where the consumer takes links; format 1 where it does not.)
+HANDLE = re.compile(r"^dtorch-promise:1:network:(?:v2:g:)?(tensor|void):127\.0\.0\.1:(\d+):"
+                    r"([0-9a-f]{32}):"
                     r"([0-9a-f]{32})(:device=cpu)?$")
 # How long the library gets to delete the keys of pairs a test dropped (its tick runs every 0.5 s).
 CLEANUP_S = 3.0
@@ -82,6 +84,11 @@ class _Process(ProducerProcess):
         return started
 
 
+def started_processes_now(n: int) -> list:
+    """n processes started together (closed by the caller)."""
+    return _Process.start_many(SPAWN, n)
+
+
 def started_processes(n: int):
     """For a test module's `processes` fixture (`yield from` it): n processes started together,
     closed after the module's tests."""
@@ -103,10 +110,11 @@ def other(processes):
 
 
 def victim(processes, index: int) -> ProducerProcess:
-    process = processes[2 + index]
-    if not process.process.is_alive():
-        pytest.skip("this test's victim process was killed by an earlier run of it")
-    return process
+    """processes[2 + index], started in advance for a test that kills it; started anew where an
+    earlier run of the test (on the other path) killed it."""
+    if not processes[2 + index].process.is_alive():
+        processes[2 + index] = _Process.start_many(SPAWN, 1)[0]
+    return processes[2 + index]
 
 
 def our_keys(store) -> list:
@@ -152,6 +160,24 @@ def setting(name: str, value):
     setattr(dtorch_ops.config, name, value)
     yield
     setattr(dtorch_ops.config, name, before)
+
+
+@pytest.fixture(params=["store", "pairs"], autouse=True)
+def path(request):
+    """Every test of a module that imports this runs on both paths: values through the store
+    (config.network_pair_groups = 0 when the consumer creates its pairs: their handles say "s"),
+    and over point-to-point links (1: "g"; the producers follow the handle)."""
+    yield from setting("network_pair_groups", 1 if request.param == "pairs" else 0)
+
+
+def links_in() -> int:
+    return dtorch_ops._C.diagnostics()["network"]["links_in"]
+
+
+def network_thread_bound() -> int:
+    """The kind's threads at most: the watcher and the tick thread, and, once a link was made,
+    Gloo's device thread and one receiving thread per producer process linked to this one."""
+    return 3 + links_in()
 
 
 @pytest.fixture

@@ -212,12 +212,13 @@ def store_server_main() -> None:
 # ---- two network namespaces (two "hosts") -------------------------------------------------------
 
 
-def netns_consumer_main(host: str) -> None:
-    """Runs a store server on `host` and a pair on it; prints the serialized promise, then what
-    arrived (JSON)."""
+def netns_consumer_main(host: str, pair_groups: int = 1) -> None:
+    """Runs a store server on `host` and a pair on it (config.network_pair_groups =
+    `pair_groups`); prints the serialized promise, then what arrived (JSON)."""
     die_with_parent()
     import torch.distributed as dist
 
+    dtorch_ops.config.network_pair_groups = pair_groups
     server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     promise = dtorch_ops.TensorPromise(kind="network", store=server)
     future = promise.get_future()
@@ -235,7 +236,7 @@ def netns_producer_main() -> None:
     die_with_parent()
     handle = sys.stdin.readline().strip()
     dtorch_ops.get_tensor(torch.arange(10.0), dtorch_ops.TensorPromise.from_serialized(handle))
-    print("set", flush=True)
+    print(f"set links_out={dtorch_ops._C.diagnostics()['network']['links_out']}", flush=True)
 
 
 def set_stamped(promises: list, pace_s: float) -> None:

@@ -27,7 +27,8 @@ import file_producers
 import network_workers
 from conftest import TESTS, WAIT_MS, wait_until
 from dtorch_ops import errors
-from network_fixtures import CLEANUP_S, fields, leftover_keys, network_pair, started_processes
+from network_fixtures import (CLEANUP_S, fields, leftover_keys, links_in, network_pair,
+                              network_thread_bound, path, started_processes)
 # The fixtures that the tests use by name: pytest registers those imported into a test module
 # (the autouse nothing_left_in_the_store runs after each test of this module for this import).
 from network_fixtures import address, other, producer, store  # noqa: F401
@@ -217,8 +218,10 @@ def test_1000_futures_from_one_producer_leave_no_key(store, producer):
     gc.collect()
     pairs = [network_pair(store) for _ in range(1000)]
     assert dtorch_ops._C.diagnostics()["network"]["pending_pairs"] >= 1000
-    assert dtorch_ops.library_threads()["network"] <= 2
+    assert dtorch_ops.library_threads()["network"] <= network_thread_bound()
     producer.call(network_workers.produce_many, [p.serialize() for p, _ in pairs])
+    assert dtorch_ops.library_threads()["network"] <= network_thread_bound()
+    assert links_in() <= 2  # (one per producer process at most: this module has two)
     for i, pair in enumerate(pairs):
         assert torch.equal(pair[1].wait(WAIT_MS), torch.full((4,), float(i)))
     del pairs, pair
@@ -260,8 +263,10 @@ def test_futures_awaited_from_asyncio_share_the_kinds_threads(store, producer):
 
     values = asyncio.run(asyncio.wait_for(main(), WAIT_MS / 1000 * 3))
     assert [v.tolist() for v in values] == [[float(i)] * 4 for i in range(n)]
-    assert most["network"] <= 2, most
-    assert most["all"] <= 4, most  # the executor's thread, the kind's two: none per future
+    assert most["network"] <= network_thread_bound(), most
+    # The executor's thread, the kind's two, and on the links' path Gloo's device thread and the
+    # producer's receiving thread: none per future.
+    assert most["all"] <= 6, most
 
 
 # ---- graphs -------------------------------------------------------------------------------------
@@ -327,7 +332,7 @@ def two_namespaces():
 
 
 @pytest.mark.timeout(60)
-def test_a_producer_in_another_network_namespace(two_namespaces):
+def test_a_producer_in_another_network_namespace(two_namespaces, path):
     (consumer_ns, consumer_host), (producer_ns, _) = two_namespaces
     prologue = f"import sys; sys.path.insert(0, {TESTS!r}); import network_workers; "
 
@@ -336,13 +341,18 @@ def test_a_producer_in_another_network_namespace(two_namespaces):
                                  prologue + call], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
-    consumer = start(consumer_ns, f"network_workers.netns_consumer_main({consumer_host!r})")
+    pair_groups = int(path == "pairs")
+    consumer = start(consumer_ns,
+                     f"network_workers.netns_consumer_main({consumer_host!r}, {pair_groups})")
     producer = start(producer_ns, "network_workers.netns_producer_main()")  # (imports meanwhile)
     try:
         handle = consumer.stdout.readline().strip()
         assert fields_of_any_host(handle)["host"] == consumer_host, handle
+        assert fields_of_any_host(handle)["links"] == "gs"[1 - pair_groups], handle
         out, err = producer.communicate(handle + "\n", timeout=45)
-        assert producer.returncode == 0 and out.strip() == "set", err[-2000:]
+        # (Over a link between the namespaces on that path; through the store on the other.)
+        assert producer.returncode == 0 and out.strip() == f"set links_out={pair_groups}", (
+            out, err[-2000:])
         out, err = consumer.communicate(timeout=45)
         assert json.loads(out) == {"value": list(map(float, range(10)))}, (out, err[-2000:])
     finally:
@@ -353,7 +363,9 @@ def test_a_producer_in_another_network_namespace(two_namespaces):
 
 def fields_of_any_host(handle: str) -> dict:
     parts = handle.split(":")
-    return {"type": parts[3], "host": parts[4], "port": int(parts[5])}
+    at = 5 if parts[3] == "v2" else 3  # (format 2 where the consumer takes links)
+    return {"links": parts[4] if at == 5 else "s", "type": parts[at], "host": parts[at + 1],
+            "port": int(parts[at + 2])}
 
 
 def test_a_value_set_then_dropped_in_the_creating_process_arrives(store):

@@ -33,6 +33,7 @@ from network_fixtures import address, other, producer, store  # noqa: F401
 from network_fixtures import nothing_left_in_the_store  # noqa: F401
 from network_fixtures import short_attach_timeout, short_heartbeat  # noqa: F401
 from network_fixtures import short_store_timeout  # noqa: F401
+from network_fixtures import path  # noqa: F401  (every test on both paths)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,7 +133,8 @@ def test_a_killed_consumer_leaves_no_key(store, address, producer, processes):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("killed", ["before_the_set", "after_the_set"])
-def test_a_killed_consumers_keys_are_gone_once_a_prompt_producer_exits(store, address, killed):
+def test_a_killed_consumers_keys_are_gone_once_a_prompt_producer_exits(store, address, killed,
+                                                                        path):
     """The consumer SIGKILLed before the producer sets a chunked value (32 MiB), or after it (the
     consumer stopped meanwhile, so it reads nothing); the producer exits at once, long before
     the heartbeat timeout (5 s): nothing of the dead consumer's is left in the store, not its
@@ -140,6 +142,7 @@ def test_a_killed_consumers_keys_are_gone_once_a_prompt_producer_exits(store, ad
     consumer = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, dtorch_ops\n"
+         f"dtorch_ops.config.network_pair_groups = {int(path == 'pairs')}\n"
          f"p = dtorch_ops.TensorPromise(kind='network', store={address!r}); f = p.get_future()\n"
          "print(p.serialize(), flush=True); sys.stdin.readline()\n"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -279,7 +282,7 @@ def test_tampered_serialized_promises_are_refused(store, address, producer):
     handles = {name: promise.serialize() for name, (promise, _) in genuine.items()}
     tensor = handles["tensor"]
     f = fields(tensor)
-    prefix = "dtorch-promise:1:network:"
+    prefix = tensor[:tensor.index(":tensor:") + 1]  # through the format and the links
     after_address = tensor.index(f["consumer"]) - 1  # the ':' before the ids
     port = str(store.port)
     bad_port = refused_port()

@@ -28,7 +28,8 @@ from producer_process import ProducerProcess
 pytestmark = pytest.mark.timeout(120)
 
 SPAWN = torch_mp.get_context("spawn")
-HANDLE = re.compile(r"^dtorch-promise:1:network:tensor:127\.0\.0\.1:\d+:([0-9a-f]{32}):"
+HANDLE = re.compile(r"^dtorch-promise:1:network:(?:v2:g:)?tensor:127\.0\.0\.1:\d+:"
+                    r"([0-9a-f]{32}):"
                     r"([0-9a-f]{32})$")
 CLEANUP_S = 3.0  # the tick deletes dropped pairs' keys every 0.5 s
 

@@ -36,6 +36,11 @@ class ValueCodec {
   virtual std::string Header(const T& value, size_t* payload_bytes) const = 0;
   // Writes the payload of `value` (payload_bytes of them, as Header said) to `payload`.
   virtual void WritePayload(const T& value, void* payload, size_t payload_bytes) const = 0;
+  // The payload of `value` where its own memory holds exactly it (payload_bytes of them, in the
+  // payload's order; a CPU tensor that is dense): sent from there, not copied. Null otherwise.
+  virtual const void* PayloadInPlace(const T& /*value*/, size_t /*payload_bytes*/) const {
+    return nullptr;
+  }
   // What the producer must keep alive until the consumer has released the value's payload (or
   // died): a device block the payload only names, which the consumer maps. Null when the payload
   // holds the value itself.

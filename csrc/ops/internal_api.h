@@ -21,6 +21,10 @@
 #include "device_completion.h"
 #include "runtime_hooks.h"
 
+namespace c10d {
+class Backend;
+}  // namespace c10d
+
 #define DTORCH_INTERNAL_API __attribute__((visibility("default")))
 
 namespace dtorch {
@@ -180,6 +184,14 @@ DTORCH_INTERNAL_API at::Tensor DecodeTensorForTesting(const std::string& header,
 // ---- Kinds (ops/kinds.h): whether the kind named `kind` may be set in another process (false for
 // a name no kind has).
 DTORCH_INTERNAL_API bool KindCrossesProcesses(std::string_view kind);
+
+// ---- The network kind's point-to-point links (ops/kinds/network_pairs.cpp): `maker(host, port,
+// prefix, rank, timeout_ms)` makes this process's end of a 2-rank group on a PrefixStore(prefix)
+// of the store at host:port (blocking until both ends connected; throws on failure). Set by the
+// bindings where torch.distributed's Gloo is there; an empty maker: the store path only.
+using PairGroupMaker = std::function<c10::intrusive_ptr<c10d::Backend>(
+    const std::string& host, int port, const std::string& prefix, int rank, int64_t timeout_ms)>;
+DTORCH_INTERNAL_API void SetPairGroupMaker(PairGroupMaker maker);
 
 // ---- Settings (core/settings.h: the one table dtorch_ops.config is built from). SetSetting
 // throws std::invalid_argument for a value out of range, std::out_of_range for an unknown name.

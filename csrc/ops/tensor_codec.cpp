@@ -228,6 +228,23 @@ std::string TensorCodec::Header(const at::Tensor& value, size_t* payload_bytes) 
   return header;
 }
 
+namespace {
+// Its elements fill [data, data + nbytes) in the payload's order (strides >= 0), and no lazy
+// conjugation or negation is pending (nor is it a ZeroTensor, which has no data).
+bool PayloadIsItsMemory(const at::Tensor& value) {
+  return value.device().is_cpu() && value.is_non_overlapping_and_dense() && !value.is_conj() &&
+         !value.is_neg() && !value._is_zerotensor();
+}
+}  // namespace
+
+const void* TensorCodec::PayloadInPlace(const at::Tensor& value, size_t payload_bytes) const {
+  if (TravelsByIpc(value) || !PayloadIsItsMemory(value) ||
+      payload_bytes != static_cast<size_t>(value.nbytes())) {
+    return nullptr;
+  }
+  return payload_bytes == 0 ? "" : value.const_data_ptr();
+}
+
 void TensorCodec::WritePayload(const at::Tensor& value, void* payload,
                                size_t payload_bytes) const {
   if (TravelsByIpc(value)) {
@@ -241,11 +258,8 @@ void TensorCodec::WritePayload(const at::Tensor& value, void* payload,
     std::memcpy(static_cast<char*>(payload) + 4, record.data(), record.size());
     return;
   }
-  if (value.device().is_cpu() && value.is_non_overlapping_and_dense() && !value.is_conj() &&
-      !value.is_neg() && !value._is_zerotensor()) {
-    // Its elements fill [data, data + payload_bytes) in the payload's order (strides >= 0), and
-    // no lazy conjugation or negation is pending (nor is it a ZeroTensor, which has no data):
-    // one memcpy, at memory bandwidth, instead of an element-wise copy.
+  if (PayloadIsItsMemory(value)) {
+    // One memcpy, at memory bandwidth, instead of an element-wise copy.
     TORCH_INTERNAL_ASSERT(payload_bytes == static_cast<size_t>(value.nbytes()));
     std::memcpy(payload, value.const_data_ptr(), payload_bytes);
     return;

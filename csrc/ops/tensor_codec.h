@@ -57,6 +57,7 @@ class TensorCodec final : public core::ValueCodec<at::Tensor> {
   void CheckValue(const at::Tensor& value) const override;
   std::string Header(const at::Tensor& value, size_t* payload_bytes) const override;
   void WritePayload(const at::Tensor& value, void* payload, size_t payload_bytes) const override;
+  const void* PayloadInPlace(const at::Tensor& value, size_t payload_bytes) const override;
   std::shared_ptr<void> KeepUntilReleased(const at::Tensor& value) const override;
   size_t PayloadBytes(std::string_view header) const override;
   at::Tensor Read(std::string_view header, void* payload, size_t payload_bytes,

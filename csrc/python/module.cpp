@@ -36,6 +36,7 @@
 #include "../ops/errors.h"
 #include "../ops/internal_api.h"
 #include "python_callbacks.h"
+#include "python_pair_groups.h"
 #include "python_waits.h"
 
 namespace py = pybind11;
@@ -843,6 +844,8 @@ PYBIND11_MODULE(_C, m) {
   // With the GIL released: a detector finishing a completion may need it to drop a tensor.
   m.def("stop_library_threads", &internal::StopLibraryThreads,
         py::call_guard<py::gil_scoped_release>());
+  // The network kind's pair-group maker (dtorch_ops/_pair_groups.py), or None.
+  m.def("set_pair_group_maker", &dtorch::python::SetPairGroupMaker);
   m.def("library_threads", [] {
     py::dict threads;
     for (const auto& [name, count] : internal::CountLibraryThreads()) threads[name.c_str()] = count;

@@ -42,10 +42,9 @@ class ConsumerImpl final : public NetworkConsumer,
   ReceivedValue Take() override {
     CheckInCreatorProcess();
     NetworkValue value = state_.Take();
-    std::string* bytes = value.payload.get();
-    const bool empty = bytes == nullptr || bytes->empty();
-    return ReceivedValue{std::move(value.header), empty ? nullptr : bytes->data(),
-                         empty ? 0 : bytes->size(), std::move(value.payload)};
+    const bool empty = value.payload_bytes == 0;
+    return ReceivedValue{std::move(value.header), empty ? nullptr : value.payload,
+                         value.payload_bytes, std::move(value.keep_alive)};
   }
   void FutureDropped() override { state_.DropResult(); }
 
@@ -82,6 +81,10 @@ class ConsumerImpl final : public NetworkConsumer,
                std::to_string(implied);
       }
     }
+    return CheckMemory(bytes);
+  }
+  // Why `bytes` cannot be received here ("" when they can): more than this machine's memory.
+  static std::string CheckMemory(uint64_t bytes) {
     static const uint64_t memory = [] {
       const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
       return pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page)

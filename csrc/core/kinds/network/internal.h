@@ -35,6 +35,9 @@ namespace dtorch::core::network_internal {
 using std::chrono::milliseconds;
 
 constexpr char kKeyPrefix[] = "dtorch/n/";
+// The handle's format where the consumer takes links: 2 says how it receives values
+// (NetworkHandle::links; format 1, the type first, where it takes none).
+constexpr char kHandleFormat[] = "v2";
 constexpr size_t kIdHexDigits = 32;
 // A value this large or smaller travels in its message (one push); a larger one in chunks.
 constexpr size_t kInlineValueBytes = size_t{4} << 20;
@@ -99,8 +102,10 @@ constexpr char kMissing[] = "-";
 // end): once it is gone it "exited", rather than died. Its threads may still set values meanwhile.
 enum MessageType : char {
   kAttach = 'A', kDropped = 'D', kValue = 'V', kWake = 'W', kRecheck = 'R', kSerialized = 'S',
-  kExiting = 'X'
+  kExiting = 'X', kLinkRequest = 'G'
 };
+// 'G' (link request): the head, whose pair field names a new link (links.h): the consumer makes
+// its end of it.
 
 // Who a producer process is, as its attach message tells: its pid, start time and pid namespace,
 // the boot id of its kernel (a consumer on the same kernel checks the process itself, as the file
@@ -151,7 +156,9 @@ void Put(std::string& out, V v) {
 // producer's size and checksum).
 struct NetworkValue {
   std::string header;
-  std::shared_ptr<std::string> payload;
+  std::shared_ptr<void> keep_alive;  // owns [payload, payload + payload_bytes)
+  char* payload = nullptr;
+  size_t payload_bytes = 0;
 };
 
 class Session;
@@ -275,4 +282,8 @@ std::shared_ptr<Session> SessionFor(const StoreAddress& address);
 void Unregister(const Session* session);
 
 FutureError Altered(const NetworkHandle& handle);
+
+// The point-to-point links' transport thread (0 or 1), for NetworkKindThreads (links.cc).
+size_t LinkTransportThreads();
+void ForgetLinkTransportInChild() noexcept;
 }  // namespace dtorch::core::network_internal

@@ -174,7 +174,7 @@ std::optional<Message> Decode(const std::string& bytes) {
   m.type = static_cast<MessageType>(bytes[0]);
   if (m.type == kWake) return bytes.size() == 1 ? std::optional<Message>(m) : std::nullopt;
   if (m.type != kAttach && m.type != kDropped && m.type != kValue && m.type != kRecheck &&
-      m.type != kSerialized && m.type != kExiting) {
+      m.type != kSerialized && m.type != kExiting && m.type != kLinkRequest) {
     return std::nullopt;
   }
   if (bytes.size() < 1 + 2 * kIdHexDigits) return std::nullopt;

@@ -91,8 +91,10 @@ StoreAddress StoreAddress::Parse(std::string_view text) {
 }
 
 std::string NetworkHandle::Serialize() const {
-  std::string out = SerializedPrefix(NetworkKind::kName) + type_name + ":" + store.ToString() + ":" +
-                    consumer + ":" + pair;
+  // (Format 1 where the consumer takes no links: a build that reads only format 1 reads it.)
+  std::string out = SerializedPrefix(NetworkKind::kName) +
+                    (links ? std::string(kHandleFormat) + ":g:" : std::string()) + type_name +
+                    ":" + store.ToString() + ":" + consumer + ":" + pair;
   if (!value_options.empty()) out += ":" + value_options;
   return out;
 }
@@ -104,6 +106,18 @@ NetworkHandle NetworkHandle::Parse(std::string_view rest, std::string_view expec
                            "; pass the string serialize() returned, unchanged");
   };
   NetworkHandle h;
+  // Format 2 ("v2:<links>:" first) says how the consumer receives values; format 1 (the type
+  // first) is a consumer of the store path only.
+  if (rest.substr(0, 3) == "v2:") {
+    if (rest.size() < 5 || (rest[3] != 'g' && rest[3] != 's') || rest[4] != ':') {
+      throw invalid("of format 2 without its links ('g' or 's')");
+    }
+    h.links = rest[3] == 'g';
+    rest.remove_prefix(5);
+  } else if (rest.size() >= 2 && rest[0] == 'v' && rest[1] >= '0' && rest[1] <= '9') {
+    throw invalid("of a format this build does not read (it reads 1 and 2): serialize and "
+                  "deserialize with the same dtorch_ops");
+  }
   const auto type_end = rest.find(':');
   if (type_end == std::string_view::npos) throw invalid("without a value type");
   h.type_name = std::string(rest.substr(0, type_end));
@@ -145,6 +159,7 @@ std::shared_ptr<NetworkConsumer> NetworkConsumer::Create(std::string_view type_n
   h.consumer = session->id();
   h.pair = NewId();
   h.value_options = std::string(value_options);
+  h.links = NetworkPairGroups() != 0 && HasPairLinkFactory();
   auto consumer = std::make_shared<ConsumerImpl>(session, h, std::move(payload_bytes_of));
   try {
     session->Register(h.pair, consumer->record(), consumer);
@@ -295,9 +310,10 @@ void AfterForkNetworkKindInChild() noexcept {
   } catch (...) {
   }
   kind_threads = 0;
+  ForgetLinkTransportInChild();
 }
 
-size_t NetworkKindThreads() { return kind_threads.load(); }
+size_t NetworkKindThreads() { return kind_threads.load() + LinkTransportThreads(); }
 
 void SetNetworkHeartbeatTimeoutMs(int64_t ms) {
   if (ms < 2 * kTickMs) {

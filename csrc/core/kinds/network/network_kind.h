@@ -4,9 +4,11 @@
 // are written and read by a ValueCodec<T>, as the file kind's).
 //
 // Names. Each process that uses a store has an id there, 32 random hex digits (its "store id"),
-// and each pair one too. A serialized promise names the store's address, the consumer's store id
-// and the pair: "dtorch-promise:1:network:<type>:<host>:<port>:<consumer>:<pair>[:<options>]"
-// (an IPv6 host in brackets). Every key of the kind starts with "dtorch/n/":
+// and each pair one too. A serialized promise names how its consumer receives values (format 2,
+// "v2:g:" first: over point-to-point links as well, links.h; format 1, without it: through the
+// store only; "v2:s:" is read as format 1), the store's address, the consumer's store id and the
+// pair: "dtorch-promise:1:network:[v2:g:]<type>:<host>:<port>:<consumer>:<pair>[:<options>]" (an
+// IPv6 host in brackets). Values over links: links.h; the rest of this contract holds for both. Every key of the kind starts with "dtorch/n/":
 //   q/<consumer>   the consumer's queue: producers push their messages to it (attach, drop, value)
 //   hb/<process>   a process's heartbeat, a counter it bumps while it has pairs in flight
 //   id/<process>   a consumer's identity ("<uid>:<pid>:<start time>:<pid namespace>:<boot
@@ -17,6 +19,7 @@
 //                  claim ("<store id>/<16 hex digits naming its attachment>": compare_set from the
 //                  record, so fulfilled once, across hosts), or "!" once the consumer failed it
 //   v/<pair>/<i>   chunk i of a value too large for one message
+//   p/<link>/...   a point-to-point link's rendezvous keys (Gloo's), until both ends connected
 //
 // Roles. The consumer (the process that created the pair) has one watcher thread per store
 // ("dtorch-net-watch") that blocks in a queue pop on its own connection (a blocking pop holds its
@@ -213,6 +216,54 @@ struct StoreAddress {
   }
 };
 
+// ---- point-to-point links ----
+
+// A connection between two processes for values, beside the store (torch glue: a 2-rank Gloo
+// group on a PrefixStore of the store, ops/kinds/network_pairs.cpp, made by Python: only
+// processes that run Python with torch.distributed's Gloo have one). Rank 0 is the consumer's
+// end, rank 1 the producer's. Messages on one tag arrive in order; a receive is posted with a
+// buffer at least as large as what the peer sends on that tag (a larger message would end the
+// receiving process: sizes come first, validated, in a fixed-size frame).
+//
+// Thread-safety: one thread calls Send and Receive on one link at a time (per tag); Abort may be
+// called from any thread, also during a call.
+class PairLink {
+ public:
+  virtual ~PairLink() = default;
+  // Blocks until the peer has received (posted its receive and taken the bytes), or `timeout`
+  // ran out. Throws std::runtime_error when the link failed (the peer gone, a timeout, an abort):
+  // the link is then unusable.
+  virtual void Send(const void* data, size_t bytes, uint32_t tag,
+                    std::chrono::milliseconds timeout) = 0;
+  // Blocks until a message arrived on `tag` into [data, data + bytes) (it may be shorter), or the
+  // link failed (throws std::runtime_error, as Send). No timeout: Abort wakes it.
+  virtual void Receive(void* data, size_t bytes, uint32_t tag) = 0;
+  // Wakes a blocked Send or Receive, which then throws.
+  virtual void Abort() noexcept = 0;
+};
+
+// Makes this process's end of the link whose rendezvous keys start with `prefix` on the store at
+// `store` (blocks until both ends connected, or `timeout`). Throws std::runtime_error.
+using PairLinkFactory = std::function<std::unique_ptr<PairLink>(
+    const StoreAddress& store, const std::string& prefix, int rank,
+    std::chrono::milliseconds timeout)>;
+// Set by the bindings when this process can make links (empty: it cannot; the store path serves).
+void SetPairLinkFactory(PairLinkFactory factory);
+bool HasPairLinkFactory();
+// config.network_pair_groups: 1 (the default) sends values over links where both ends can, 0
+// over the store only (pairs created meanwhile say so in their handle, and a producer that has
+// it 0 uses the store).
+void SetNetworkPairGroups(int64_t enabled);  // throws std::invalid_argument unless 0 or 1
+int64_t NetworkPairGroups();
+// config.network_pair_idle_s: a producer's link that sent nothing for this long is closed (its
+// consumer's receiving thread exits); the next value makes a new one.
+inline constexpr int64_t kDefaultNetworkPairIdleMs = 60000;
+void SetNetworkPairIdleMs(int64_t ms);  // throws std::invalid_argument when < 100 ms
+int64_t NetworkPairIdleMs();
+// Links of this process now (as a consumer, as a producer), for tests and diagnostics.
+size_t NetworkLinksIn();
+size_t NetworkLinksOut();
+
 // ---- the kind ----
 
 // What a serialized network promise names (validated when parsed: untrusted input).
@@ -222,6 +273,9 @@ struct NetworkHandle {
   std::string consumer;       // the consumer's store id: 32 hex digits
   std::string pair;           // 32 hex digits
   std::string value_options;  // the consumer's codec options ([a-z0-9_=]{0,32}), checked by it
+  // Whether the consumer receives values over point-to-point links ("g": a Gloo pair group per
+  // producer process) or only through the store ("s"; also every handle of format 1).
+  bool links = false;
 
   std::string Serialize() const;
   // Parses what follows "dtorch-promise:1:network:"; throws FutureError(kInvalidHandle).
@@ -272,6 +326,11 @@ class NetworkProducer : public RemoteAttachment {
 
   // After kClaimed. Throws FutureError(kBrokenPromise) when the store cannot be reached.
   virtual void PublishValue(const std::string& header, std::string payload) = 0;
+  // Whether a value goes over a point-to-point link (links.h) when it can: its payload is then
+  // sent from the value's own memory (PublishValueFrom), not copied first.
+  virtual bool SendsOverLink() const = 0;
+  // PublishValue from `bytes` at `payload`, which stay valid until this returns.
+  virtual void PublishValueFrom(const std::string& header, const void* payload, size_t bytes) = 0;
   virtual void PublishError(const ErrorInfo& error) noexcept = 0;
   // A handle was serialized in this process: the consumer counts it in flight (a message, sent
   // before this returns). Never throws.
@@ -369,15 +428,26 @@ struct NetworkKind {
     size_t payload_bytes = 0;
     std::string header;
     std::string payload;
+    const void* in_place = nullptr;
     try {
       header = codec.Header(result.value(), &payload_bytes);
-      payload.resize(payload_bytes);
-      if (payload_bytes != 0) codec.WritePayload(result.value(), payload.data(), payload_bytes);
+      // (Its own memory, as it is, where it goes over a link: no copy before the send.)
+      in_place = producer.SendsOverLink() ? codec.PayloadInPlace(result.value(), payload_bytes)
+                                          : nullptr;
+      if (in_place == nullptr) payload.resize(payload_bytes);
+      if (payload_bytes != 0 && in_place == nullptr) {
+        codec.WritePayload(result.value(), payload.data(), payload_bytes);
+      }
     } catch (const std::exception& e) {
       // Claimed, so nothing else will complete the pair: it fails with this error too.
       producer.PublishError(ErrorInfo{
           FutureErrc::kProducerError, std::string("the value could not be sent: ") + e.what()});
       throw;
+    }
+    // (Outside the codec's try: the send's own errors are the send's, not "could not be sent".)
+    if (in_place != nullptr) {
+      producer.PublishValueFrom(header, in_place, payload_bytes);
+      return;
     }
     producer.PublishValue(header, std::move(payload));
   }

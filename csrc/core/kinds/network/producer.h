@@ -63,9 +63,16 @@ class ProducerImpl final : public NetworkProducer,
 
   ClaimOutcome TryClaim() override;
   void PublishValue(const std::string& header, std::string payload) override;
+  bool SendsOverLink() const override;
+  void PublishValueFrom(const std::string& header, const void* payload, size_t bytes) override;
   void PublishError(const ErrorInfo& error) noexcept override;
 
  private:
+  // Sends the value (or error: `v.error`) over this process's link to the consumer: true when
+  // it went (or the consumer fails the pair), false when the store is to carry it.
+  bool SentOverLink(const ValueMessage& v, const void* payload, size_t bytes);
+  // The store path's send (a value inline or in chunks). Throws FutureError(kBrokenPromise).
+  void PublishThroughStore(ValueMessage v, const std::string& payload);
   enum class Standing {
     kPending,    // not announced yet (the tick thread will, unless the value goes first)
     kAnnounced,  // the pair waited for a producer: the consumer was told of this one

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "internal.h"
+#include "links.h"
 
 namespace dtorch::core::network_internal {
 
@@ -108,6 +109,12 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     MarkPushed(consumer, seq);
   }
+  // A value for `pair` went to `consumer` over a link: recorded as SendTo records a message
+  // (pushed), so that a clean-up for that consumer, should it die, deletes the pair's claim.
+  void Recorded(const std::string& consumer, const std::string& pair) {
+    std::lock_guard<std::mutex> lock(mu_);
+    sent_[consumer].push_back({pair, 0, ++sent_seq_, true});
+  }
   // The pairs this process sent `consumer` messages about, not yet known read.
   std::vector<std::string> SentPairs(const std::string& consumer) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -172,6 +179,37 @@ class Session : public std::enable_shared_from_this<Session> {
   void FindClaimHolders(const std::vector<std::shared_ptr<ConsumerImpl>>& consumers);
   void CleanUpForConsumers();
   std::vector<std::shared_ptr<ConsumerImpl>> LiveConsumers();
+
+  // ---- point-to-point links (links.cc, links.h) ----
+ public:
+  // Producer side: sends `frame` to `consumer`'s process over this process's link to it (made
+  // if need be), then `payload_bytes` of `payload` when there are any. Never throws.
+  LinkSend SendOverLink(const std::string& consumer, const std::string& frame,
+                        const void* payload, size_t payload_bytes);
+  // Consumer side: `producer` asks for link `name` (its link request): its receiving thread
+  // starts (replacing an older link of that producer).
+  void LinkRequested(const std::string& producer, const std::string& name);
+  // `producer` was found gone: its link's thread stops waiting for it.
+  void AbortLinkFrom(const std::string& producer);
+  size_t LinksIn() const;
+  size_t LinksOut() const;
+
+ private:
+  void ReceiveOnLink(const std::shared_ptr<InLink>& in);
+  // One frame received on `link` (kFrameBytes at `frame`): false when the link is to end.
+  // `*payload_in_flight`: a payload buffer a failed receive may still be posted into (the
+  // caller releases it after the link); `*frame_bytes`: how much of `frame` the frame used.
+  bool HandleFrame(InLink& in, PairLink& link, const char* frame,
+                   std::shared_ptr<char>* payload_in_flight, size_t* frame_bytes);
+  // On the tick thread: links that sent nothing for config.network_pair_idle_s are closed.
+  void CloseIdleLinks(Clock::time_point now);
+  // At exit: every link's blocked call gives up.
+  void StopLinks() noexcept;
+  // Deletes `keys` soon, on the tick thread (rendezvous keys).
+  void DeleteKeysSoon(std::vector<std::string> keys);
+  std::map<std::string, std::shared_ptr<OutLink>> out_links_;  // guarded by mu_: by consumer
+  std::map<std::string, std::shared_ptr<InLink>> in_links_;    // guarded by mu_: by producer
+  std::vector<std::string> key_cleanups_;                      // guarded by mu_
 
  public:
   // The consumer of `pair` in this process, if it is still in flight.

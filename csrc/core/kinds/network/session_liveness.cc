@@ -12,16 +12,31 @@ bool Session::Tick() {
   if (broken_ || stopping_) return false;
   bool consumers, producers;
   std::vector<PairKeys> cleanups;
+  std::vector<std::string> keys;
   std::vector<std::function<void()>> work;
+  bool links;
   {
     std::lock_guard<std::mutex> lock(mu_);
     consumers = !pairs_.empty() || consumed_;
     producers = producers_ > 0 || !sent_.empty();
+    links = !out_links_.empty();
     cleanups.swap(cleanups_);
+    keys.swap(key_cleanups_);
     work.swap(next_tick_);
   }
-  if (!consumers && !producers && cleanups.empty() && work.empty()) return false;
+  if (!consumers && !producers && !links && cleanups.empty() && keys.empty() && work.empty()) {
+    return false;
+  }
   for (auto& w : work) w();  // (noexcept: see ProducerImpl::Announce)
+  if (!keys.empty()) {
+    try {
+      store_->DeleteKeys(keys);
+      keys.clear();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);  // (the next round's)
+      key_cleanups_.insert(key_cleanups_.end(), keys.begin(), keys.end());
+    }
+  }
   try {
     // (The heartbeat first: however long the deletes take, this process does not look dead.)
     if (consumers || producers) Beat(/*force=*/true);
@@ -31,6 +46,7 @@ bool Session::Tick() {
       CheckProducers(Clock::now());
     }
     if (producers) CleanUpForConsumers();
+    if (links) CloseIdleLinks(Clock::now());  // (after the heartbeat: a goodbye may wait 1 s)
   } catch (const StoreError& e) {
     if (e.kind() != StoreError::Kind::kTimeout) {
       Break(e.what());
@@ -105,6 +121,8 @@ void Session::CheckProducers(Clock::time_point now) {
       newly_gone.push_back(id);
     }
   }
+  // A gone producer's link stops waiting for it (a hung host: its receive would wait forever).
+  for (const auto& id : newly_gone) AbortLinkFrom(id);
   // Whoever sees death deletes (a consumer's identity too), in batches, once.
   for (size_t at = 0; at < newly_gone.size(); at += kBatch / 2) {
     std::vector<std::string> keys;
@@ -262,6 +280,7 @@ bool Session::ConsumerGoneHere(const std::string& consumer) {
 
 void Session::Stop() noexcept {
   stopping_ = true;
+  StopLinks();
   std::vector<std::shared_ptr<ConsumerImpl>> consumers = LiveConsumers();
   for (auto& c : consumers) {
     c->state().TryComplete(Result<NetworkValue>::Error(
@@ -306,10 +325,13 @@ void Session::Stop() noexcept {
   try {
     if (consumed) DeleteWhatADeadConsumerLeft(id_, ours);
     std::vector<PairKeys> late;
+    std::vector<std::string> keys;
     {
       std::lock_guard<std::mutex> lock(mu_);
       late.swap(cleanups_);
+      keys.swap(key_cleanups_);
     }
+    if (!keys.empty()) store_->DeleteKeys(keys);
     DeleteKeysOf(*store_, late);
   } catch (...) {
   }

@@ -28,6 +28,7 @@ void Session::Handle(KeyValueStore& connection, const Message& m) {
   // (This process's own handles are no holders and send none of these: a message that says it
   // is from this process is forged.)
   if (m.type != kValue && m.producer == id_) return;
+  if (m.type == kLinkRequest) return LinkRequested(m.producer, m.pair);
   if (m.type == kExiting) {
     if (!FromHolder(consumer.get(), m)) return;
     {
@@ -138,7 +139,10 @@ void Session::Receive(KeyValueStore& connection, const Message& m,
     problem = "its checksum does not match its bytes";
   }
   if (problem.empty()) {
-    consumer->state().TryComplete(Result<NetworkValue>::Value(NetworkValue{v.header, payload}));
+    char* data = payload->empty() ? nullptr : payload->data();
+    const size_t size = payload->size();
+    consumer->state().TryComplete(
+        Result<NetworkValue>::Value(NetworkValue{v.header, std::move(payload), data, size}));
   } else {
     consumer->state().TryComplete(Result<NetworkValue>::Error(
         FutureErrc::kInvalidHandle, "the value read from the store at " + address_.ToString() +
@@ -184,9 +188,19 @@ void Session::DeleteSoon(PairKeys keys) {
 void Session::DeleteQueued() {
   if (broken_ || stopping_) return;
   std::vector<PairKeys> cleanups;
+  std::vector<std::string> keys;
   {
     std::lock_guard<std::mutex> lock(mu_);
     cleanups.swap(cleanups_);
+    keys.swap(key_cleanups_);
+  }
+  if (!keys.empty()) {
+    try {
+      store_->DeleteKeys(keys);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);  // (the next round's)
+      key_cleanups_.insert(key_cleanups_.end(), keys.begin(), keys.end());
+    }
   }
   if (cleanups.empty()) return;
   try {
