@@ -8,6 +8,7 @@ has its link aborted when its heartbeat stops; on one host a stopped process is 
 as on the store path, so that path is not exercised here.) The test process is the consumer.
 """
 import os
+import threading
 import time
 
 import pytest
@@ -155,3 +156,40 @@ def test_a_peer_gone_mid_value_breaks_the_pair_within_milliseconds(store, spare)
     with pytest.raises(errors.BrokenPromiseError, match="link failed"):
         future.wait(WAIT_MS)
     assert time.monotonic() - closed_at < 1.0
+
+
+@pytest.fixture(scope="module")
+def eight():
+    """Eight producer processes, for the concurrent test."""
+    yield from started_processes(8)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pair_groups", [0, 1], ids=["store", "pairs"])
+def test_eight_producers_fill_one_consumer_concurrently(store, eight, pair_groups):
+    dtorch_ops.config.network_pair_groups = pair_groups  # (links_on restores it)
+    per_producer = 10
+    pairs = [[network_pair(store) for _ in range(per_producer)] for _ in eight]
+    values = [[torch.full((1 << 18,), float(100 * p + i)) for i in range(per_producer)]  # 1 MiB
+              for p in range(len(eight))]
+    results = [None] * len(eight)
+
+    def produce(p):
+        results[p] = eight[p].call(pair_peers.set_values,
+                                   [promise.serialize() for promise, _ in pairs[p]], values[p])
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(len(eight))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for p, row in enumerate(pairs):
+        for i, (_, future) in enumerate(row):
+            assert torch.equal(future.wait(WAIT_MS), values[p][i]), (p, i)
+    assert all(r is not None for r in results), results
+    # One link per producer process on the links' path (none on the store's), each process's
+    # values over its own.
+    assert all(r["out"] == pair_groups for r in results), results
+    if pair_groups:
+        assert links_in() >= len(eight)
+    assert dtorch_ops.library_threads()["network"] <= network_thread_bound()
