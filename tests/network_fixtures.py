@@ -92,7 +92,7 @@ def started_processes_now(n: int) -> list:
 def started_processes(n: int):
     """For a test module's `processes` fixture (`yield from` it): n processes started together,
     closed after the module's tests."""
-    started = _Process.start_many(SPAWN, n)
+    started = started_processes_now(n)
     yield started
     for process in started:
         if process.process.is_alive():
@@ -113,7 +113,7 @@ def victim(processes, index: int) -> ProducerProcess:
     """processes[2 + index], started in advance for a test that kills it; started anew where an
     earlier run of the test (on the other path) killed it."""
     if not processes[2 + index].process.is_alive():
-        processes[2 + index] = _Process.start_many(SPAWN, 1)[0]
+        processes[2 + index] = started_processes_now(1)[0]
     return processes[2 + index]
 
 

@@ -270,6 +270,9 @@ std::optional<Message> Decode(const std::string& bytes);
 
 Registry& Current();
 
+// `count` of every session of this process, added up (pairs in flight, links), for diagnostics.
+size_t SumOverSessions(size_t (Session::*count)() const);
+
 void TickLoop(Registry* reg);
 
 void EnsureTicking();

@@ -153,10 +153,7 @@ void Session::CloseIdleLinks(Clock::time_point now) {
   std::vector<std::shared_ptr<OutLink>> links;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = out_links_.begin(); it != out_links_.end();) {
-      links.push_back(it->second);
-      ++it;
-    }
+    for (const auto& [consumer, out] : out_links_) links.push_back(out);
   }
   const milliseconds idle(pair_idle_ms.load());
   std::vector<std::shared_ptr<OutLink>> unused;
@@ -451,20 +448,8 @@ void SetNetworkPairIdleMs(int64_t ms) {
 
 int64_t NetworkPairIdleMs() { return pair_idle_ms.load(); }
 
-size_t NetworkLinksIn() {
-  Registry& reg = Current();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  size_t n = 0;
-  for (auto& [address, session] : reg.sessions) n += session->LinksIn();
-  return n;
-}
+size_t NetworkLinksIn() { return SumOverSessions(&Session::LinksIn); }
 
-size_t NetworkLinksOut() {
-  Registry& reg = Current();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  size_t n = 0;
-  for (auto& [address, session] : reg.sessions) n += session->LinksOut();
-  return n;
-}
+size_t NetworkLinksOut() { return SumOverSessions(&Session::LinksOut); }
 
 }  // namespace dtorch::core

@@ -332,12 +332,6 @@ void SetNetworkStoreTimeoutMs(int64_t ms) {
 
 int64_t NetworkStoreTimeoutMs() { return store_timeout_ms.load(); }
 
-size_t PendingNetworkPairs() {
-  Registry& reg = Current();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  size_t n = 0;
-  for (auto& [address, session] : reg.sessions) n += session->PendingPairs();
-  return n;
-}
+size_t PendingNetworkPairs() { return SumOverSessions(&Session::PendingPairs); }
 
 }  // namespace dtorch::core

@@ -203,7 +203,7 @@ void ProducerImpl::PublishValue(const std::string& header, std::string payload) 
   ValueMessage v;
   v.header = header;
   v.payload_bytes = payload.size();
-  if (!SendsOverLink() || !SentOverLink(v, payload.data(), payload.size())) {
+  if (!SentOverLink(v, payload.data(), payload.size())) {
     PublishThroughStore(std::move(v), payload);
   }
   published_ = true;

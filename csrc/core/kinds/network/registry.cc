@@ -14,6 +14,14 @@ std::atomic<Registry*> registry{new Registry()};  // replaced (the old one leake
 
 Registry& Current() { return *registry.load(); }
 
+size_t SumOverSessions(size_t (Session::*count)() const) {
+  Registry& reg = Current();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  size_t n = 0;
+  for (auto& [address, session] : reg.sessions) n += ((*session).*count)();
+  return n;
+}
+
 void TickLoop(Registry* reg) {
   Clock::time_point next_round = Clock::now() + milliseconds(kTickMs);
   for (;;) {
