@@ -7,7 +7,8 @@
    than .item(); on CPU .item() does not stall, so all should be close.
 2. A small step (64x64) that creates a future mid-step with dtorch_ops.to_torch_async: compiled
    into the graph (an ordered op returning the opaque future) vs the graph-break fallback (what a
-   torch without opaque types gets) vs no future.
+   torch without opaque types gets) vs no future; and the same step calling the raw op,
+   torch.ops.dtorch.get_tensor_async, which Dynamo traces as to_torch_async (the same graph).
 """
 import statistics
 import time
@@ -130,6 +131,12 @@ def _step_future_fallback(x, w):  # the same body, its own code object (its own 
     return (h * 2).sum(), future
 
 
+def _step_raw_op(x, w):  # the raw op as the design card writes it: traced as to_torch_async
+    h = torch.relu(x @ w)
+    future = torch.ops.dtorch.get_tensor_async(h.sum())
+    return (h * 2).sum(), future
+
+
 class _WithoutOpaqueTypes:
     """Runs the code as a torch without opaque types does: the raw op and a graph break."""
 
@@ -151,6 +158,7 @@ def main_future_in_graph(report, rounds=7, calls=300, backend="inductor"):
     none = torch.compile(_step_no_future, backend=backend)
     in_graph = torch.compile(_step_future, backend=backend)
     fallback = torch.compile(_step_future_fallback, backend=backend)
+    raw_op = torch.compile(_step_raw_op, backend=backend)
 
     def run_fallback():
         with _WithoutOpaqueTypes():
@@ -160,6 +168,7 @@ def main_future_in_graph(report, rounds=7, calls=300, backend="inductor"):
         "no future": lambda: none(x, w),
         "future in the graph": lambda: in_graph(x, w)[1].get(),
         "graph-break fallback": run_fallback,
+        "raw op in the graph": lambda: raw_op(x, w)[1].get(),
     }
     for fn in cases.values():  # compile and warm up
         for _ in range(5):
@@ -175,6 +184,12 @@ def main_future_in_graph(report, rounds=7, calls=300, backend="inductor"):
                               Target("<", 1, issue=10, condition="under inductor",
                                      applies=backend == "inductor")),
                        Anchor("no future", s["no future"])]))
+    report.add(Figure(SECTION, f"raw op called in a compiled 64x64 step ({backend})", "us",
+                      "raw op in the graph", s["raw op in the graph"],
+                      [Anchor("future in the graph", s["future in the graph"]),
+                       Anchor("graph-break fallback", s["graph-break fallback"],
+                              Target("<", 1, issue=34, condition="under inductor",
+                                     applies=backend == "inductor"))]))
 
 
 if __name__ == "__main__":

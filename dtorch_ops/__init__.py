@@ -124,6 +124,8 @@ from .compile import opaque_types as _opaque_types  # noqa: E402,F401
 from .compile import fakes as _fakes  # noqa: E402,F401  (fake classes and kernels: compile / export)
 # Inductor's lowerings and the DTensor rules (of the Python ops too), when those are imported.
 from .compile import lowerings as _lowerings  # noqa: E402,F401
+# The raw ops in compiled graphs: Dynamo traces them as the Python API's calls, when it is imported.
+from .compile import raw_ops as _raw_ops  # noqa: E402,F401
 
 
 def library_threads() -> dict:

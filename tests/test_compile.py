@@ -454,34 +454,25 @@ def test_future_op_on_a_meta_tensor_says_why():
 
 def test_without_opaque_types_compiled_code_falls_back_to_a_graph_break(monkeypatch):
     # What torch versions without opaque types (or refusing our registrations) get: the raw ops,
-    # a graph break, then they run eagerly.
+    # a graph break whose reason names the version, then they run eagerly (a raw op called as
+    # such returns its TorchScript future).
     monkeypatch.setattr(dtorch_ops.compile.graph_ops, "defined_ops", None)
 
     def f(x):
-        return dtorch_ops.to_torch_async(x * 2), dtorch_ops.sync_async()
+        return (dtorch_ops.to_torch_async(x * 2), dtorch_ops.sync_async(),
+                torch.ops.dtorch.get_tensor_async(x * 3))
 
     torch._dynamo.reset()
     explain = torch._dynamo.explain(f)(torch.ones(3))
-    assert any("returned non-Tensor" in r.reason for r in explain.break_reasons)
-    future, collect = _compile(f, fullgraph=False)(torch.ones(3))
-    assert isinstance(future, dtorch_ops.TensorFuture)
+    assert any("cannot return an opaque future from a compiled graph" in r.reason
+               for r in explain.break_reasons), explain.break_reasons
+    future, collect, raw = _compile(f, fullgraph=False)(torch.ones(3))
+    assert isinstance(future, dtorch_ops.TensorFuture) and isinstance(raw, torch.ScriptObject)
     assert torch.equal(future.wait(WAIT_MS), torch.full((3,), 2.0))
+    assert torch.equal(raw.wait(WAIT_MS), torch.full((3,), 3.0))
     assert collect.wait(WAIT_MS) is None
-    with pytest.raises(torch._dynamo.exc.Unsupported):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="runs eagerly"):
         _compile(f, fullgraph=True)(torch.ones(3))
-
-
-def test_the_raw_future_op_breaks_the_graph():
-    # The raw C++ op returns the TorchScript class, which no fake object can stand in for (the
-    # dispatcher converts a fake kernel's output to the schema's type): documented deviation.
-    def f(x):
-        return torch.ops.dtorch.get_tensor_async(x * 2)
-
-    torch._dynamo.reset()
-    explain = torch._dynamo.explain(f)(torch.ones(3))
-    assert any("returned non-Tensor" in r.reason for r in explain.break_reasons)
-    raw = _compile(f, fullgraph=False)(torch.ones(3))
-    assert torch.equal(dtorch_ops.TensorFuture(raw).wait(WAIT_MS), torch.full((3,), 2.0))
 
 
 def test_fake_future_says_where_it_came_from():

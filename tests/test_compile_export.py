@@ -76,40 +76,64 @@ def test_saving_an_export_that_holds_a_memory_promise_says_why():
 
 
 class _ReturnsAFuture(torch.nn.Module):
-    def __init__(self):
+    """Returns a future of a value that is no output, made by to_torch_async or by the raw op."""
+
+    def __init__(self, raw=False):
         super().__init__()
         self.lin = torch.nn.Linear(4, 1)
+        self.raw = raw
 
     def forward(self, x):
         out = self.lin(x).sum()
-        return out, dtorch_ops.to_torch_async(out.detach())
+        if self.raw:
+            return out, torch.ops.dtorch.get_tensor_async((out * 2).detach())
+        return out, dtorch_ops.to_torch_async((out * 2).detach())
+
+
+def _keeps_the_raw_op(strict, raw):
+    # Non-strict export runs the module's Python without Dynamo: the raw op stays itself and
+    # returns its TorchScript future, as it does eagerly. Strict export traces it as
+    # to_torch_async (dtorch_ops/compile/raw_ops.py).
+    return raw and not strict
+
+
+FORMS = pytest.mark.parametrize("raw", [False, True], ids=["to_torch_async", "raw_op"])
 
 
 @GRAPH_OPS
+@FORMS
 @pytest.mark.parametrize("strict", [False, True])
-def test_export_of_a_module_that_creates_futures_runs(strict):
-    module = _ReturnsAFuture()
+def test_export_of_a_module_that_creates_futures_runs(strict, raw):
+    module = _ReturnsAFuture(raw)
     ep = torch.export.export(module, (torch.randn(2, 4),), strict=strict)
-    assert "dtorch.to_torch_async.default" in str(ep.graph)
+    keeps_raw = _keeps_the_raw_op(strict, raw)
+    op = "dtorch.get_tensor_async.default" if keeps_raw else "dtorch.to_torch_async.default"
+    assert op in str(ep.graph), ep.graph
     runnable = ep.module()
     futures = []
     for _ in range(2):
         x = torch.randn(2, 4)
         out, future = runnable(x)
+        futures.append(future)
+        if keeps_raw:
+            assert isinstance(future, torch.ScriptObject)
+            future = dtorch_ops.TensorFuture(future)
         assert type(future) is dtorch_ops.TensorFuture
         torch.testing.assert_close(out, module(x)[0])
-        torch.testing.assert_close(future.wait(WAIT_MS), out.detach())
-        futures.append(future)
+        torch.testing.assert_close(future.wait(WAIT_MS), out.detach() * 2)
     assert futures[0] is not futures[1]
 
 
 @GRAPH_OPS
-def test_saving_an_export_that_creates_futures_names_the_limit():
+@FORMS
+@pytest.mark.parametrize("strict", [False, True])
+def test_saving_an_export_that_creates_futures_names_the_limit(strict, raw):
     import io
 
-    ep = torch.export.export(_ReturnsAFuture(), (torch.randn(2, 4),))
-    with pytest.raises(Exception, match="opaque Python object, which serialized programs "
-                                        r"\(torch.export.save\) cannot hold"):
+    ep = torch.export.export(_ReturnsAFuture(raw), (torch.randn(2, 4),), strict=strict)
+    why = ("TensorFuture cannot be pickled" if _keeps_the_raw_op(strict, raw) else
+           r"opaque Python object, which serialized programs \(torch.export.save\) cannot hold")
+    with pytest.raises(Exception, match=why):
         torch.export.save(ep, io.BytesIO())
 
 
@@ -118,7 +142,7 @@ def test_unflattened_export_of_a_module_that_creates_futures_runs():
     unflattened = torch.export.unflatten(
         torch.export.export(_ReturnsAFuture(), (torch.randn(2, 4),)))
     out, future = unflattened(torch.ones(2, 4))
-    torch.testing.assert_close(future.wait(WAIT_MS), out.detach())
+    torch.testing.assert_close(future.wait(WAIT_MS), out.detach() * 2)
 
 
 # ---- non-strict export: what it cannot trace, and what the message says ----

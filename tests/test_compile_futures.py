@@ -28,14 +28,28 @@ def _future_step(x, w):
     return loss * 2 + 1, (first, again, row, done)
 
 
+def _raw_op_step(x, w):
+    """The same step through the raw ops, as the packet and as .default (traced as the Python
+    API's calls: dtorch_ops/compile/raw_ops.py)."""
+    product = x @ w
+    loss = product.sum()
+    first = torch.ops.dtorch.get_tensor_async(loss)
+    again = torch.ops.dtorch.get_tensor_async.default(loss)
+    row = torch.ops.dtorch.get_tensor_async(product[1:])
+    done = torch.ops.dtorch.sync()
+    loss.mul_(3)
+    return loss * 2 + 1, (first, again, row, done)
+
+
 @GRAPH_OPS
+@pytest.mark.parametrize("step", [_future_step, _raw_op_step], ids=["python_api", "raw_ops"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_futures_created_in_a_compiled_step(backend):
+def test_futures_created_in_a_compiled_step(backend, step):
     torch._dynamo.reset()
-    explain = torch._dynamo.explain(_future_step)(torch.randn(3, 4), torch.randn(4, 5))
-    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    explain = torch._dynamo.explain(step)(torch.randn(3, 4), torch.randn(4, 5))
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
     torch._dynamo.reset()
-    compiled = torch.compile(_future_step, fullgraph=True, backend=backend)
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
     seen = []
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(3):
@@ -94,40 +108,63 @@ def test_compiled_future_is_recorded_right_after_its_value():
     assert any("exp" in t for t in targets[at + 1:]), targets  # ...before the later work
 
 
+# A future made in the graph: by the Python API, or by the raw ops (traced as the Python API's
+# calls: dtorch_ops/compile/raw_ops.py).
+FUTURE_FORMS = pytest.mark.parametrize(
+    "future_of, sync_of",
+    [(dtorch_ops.to_torch_async, dtorch_ops.sync_async),
+     (torch.ops.dtorch.get_tensor_async, torch.ops.dtorch.sync)], ids=["python_api", "raw_ops"])
+
+
 @GRAPH_OPS
+@FUTURE_FORMS
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_futures_over_dynamic_shapes(backend):
+def test_compiled_futures_over_dynamic_shapes(backend, future_of, sync_of):
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x: (x.sum(), dtorch_ops.to_torch_async(x * 2)),
-                             fullgraph=True, dynamic=True, backend=backend)
+
+    def step(x):
+        doubled = x * 2
+        return doubled.sum(), future_of(doubled), sync_of()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=backend)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for n in (3, 5, 8):
             x = torch.randn(n)
-            total, future = compiled(x)
-            torch.testing.assert_close(future.wait(WAIT_MS), x * 2)
+            total, future, done = compiled(x)
+            torch.testing.assert_close(future.wait(WAIT_MS), x * 2)  # not a graph output
+            torch.testing.assert_close(total, (x * 2).sum())
+            assert done.wait(WAIT_MS) is None
 
 
 @GRAPH_OPS
+@FUTURE_FORMS
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_training_step_logs_its_loss_through_a_future(backend):
+def test_compiled_training_step_logs_its_loss_through_a_future(backend, future_of, sync_of):
     torch._dynamo.reset()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
+    def forward(x, y):
+        hidden = torch.relu(model[0](x))
+        loss = torch.nn.functional.mse_loss(model[2](hidden), y)
+        return loss, hidden.detach().norm()
+
     def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        return loss, dtorch_ops.to_torch_async(loss.detach())
+        loss, hidden_norm = forward(x, y)
+        # The loss's future holds a graph output's alias; the norm's is no output of the graph.
+        return loss, future_of(loss.detach()), future_of(hidden_norm)
 
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(3):
             x, y = torch.randn(4, 8), torch.randn(4, 1)
-            expected = torch.nn.functional.mse_loss(model(x), y).detach()
-            loss, future = compiled(x, y)
+            expected_loss, expected_norm = (t.detach() for t in forward(x, y))
+            loss, logged, norm = compiled(x, y)
             opt.zero_grad()
             loss.backward()
-            opt.step()  # parameters change: the logged value is this step's
-            torch.testing.assert_close(future.wait(WAIT_MS), expected)
+            opt.step()  # parameters change: the logged values are this step's
+            torch.testing.assert_close(logged.wait(WAIT_MS), expected_loss)
+            torch.testing.assert_close(norm.wait(WAIT_MS), expected_norm)
 
 
 @GRAPH_OPS

@@ -10,7 +10,9 @@
 - ``fakes``: the fake classes tracing sees for the TorchScript classes, and the fake kernels of
   the C++-defined ops (the module the C++ library names in ``set_python_module``: torch checks
   that they are registered from there);
-- ``lowerings``: inductor's lowerings of the ops and the DTensor rules.
+- ``lowerings``: inductor's lowerings of the ops and the DTensor rules;
+- ``raw_ops``: Dynamo traces the raw ops (``torch.ops.dtorch.get_tensor_async``, ``sync``, the
+  host copies) as the Python API's calls, so they compile into the graph too.
 
 This ``__init__`` imports nothing: importing any of these modules runs it, from the future and
 promise modules too.

@@ -15,10 +15,12 @@ class _InGraphEagerly:
     graph break would trace the rest of our function in a resumed frame). Made when torch._dynamo
     is imported (no graph is traced before), as importing it with dtorch_ops would cost ~1 s.
 
-    The module-level functions that need one (``to_torch``, ``to_torch_async``) add themselves
-    with ``add_function``."""
+    The module-level functions that need one (``to_torch``, ``to_torch_async``, the raw ops' eager
+    calls) add themselves with ``add_function``."""
 
     to_torch = to_torch_async = call_member = get_member = None
+    # The raw ops, where compiled code cannot hold their futures (compile/raw_ops.py).
+    raw_get_tensor_async = raw_copy_to_host_async = raw_copy_list_to_host_async = raw_sync = None
     # A promise's method name -> a caller running promise.<name>(*args) eagerly.
     promise_methods = {}
     # name -> (function, reason): made into cls.<name> once torch._dynamo is imported.

@@ -21,7 +21,11 @@
 #include <string_view>
 #include <vector>
 
+#if __has_include(<torch/csrc/distributed/c10d/TCPStoreBackend.hpp>)
 #include <torch/csrc/distributed/c10d/TCPStoreBackend.hpp>
+#else  // torch 2.14 moved it (the same header: the same protocol)
+#include <torch/csrc/distributed/c10d/store/TCPStoreBackend.hpp>
+#endif
 
 #include "../../core/kinds/network/network_kind.h"
 
