@@ -124,6 +124,20 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
             return e
         return None
 
+    def wait_for(self, timeout_ms):
+        """The raw futures' ``wait_for(ms)``: True once the future is complete (its value or its
+        error, neither read), False if it is not within ``timeout_ms`` milliseconds. Consumes
+        nothing; the GIL is released while waiting."""
+        if _is_dynamo_compiling():
+            return _InGraphEagerly.call_member(self, "wait_for", timeout_ms)  # a graph break
+        if timeout_ms is None:
+            raise TypeError("dtorch: wait_for(timeout_ms) needs a timeout in milliseconds "
+                            "(wait() waits without one)")
+        if isinstance(timeout_ms, (int, float)) and timeout_ms < 0:
+            raise ValueError(f"dtorch: wait_for(timeout_ms) needs timeout_ms >= 0, got {timeout_ms}")
+        limit = _C.timeout_ms_of("wait_for", None, timeout_ms)
+        return self._h.is_ready() or _completion_queue([self]).pop(limit) is not None
+
     def then(self, callback):
         """Returns a new future of ``callback(self)``'s result, called once this future is
         complete (as ``torch.futures.Future.then``); the callback reads this future's value with

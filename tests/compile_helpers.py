@@ -13,6 +13,14 @@ GRAPH_OPS = pytest.mark.skipif(
            "code falls back to a graph break "
            "(test_without_opaque_types_compiled_code_falls_back_to_a_graph_break)")
 
+# The raw ops traced as their stand-ins (dtorch_ops/compile/raw_ops.py): needs the graph ops and
+# Dynamo's tables the stand-ins are registered in (test_the_raw_op_route_exists_where_it_is_pinned
+# says on which torch versions they must exist).
+RAW_OPS = pytest.mark.skipif(
+    not dtorch_ops.compile.raw_ops.registered or dtorch_ops.compile.graph_ops.defined_ops is None,
+    reason=f"torch {torch.__version__}: Dynamo does not trace the raw ops here (no graph ops, or "
+           "Dynamo lacks the tables raw_ops.py registers them in): they break the graph")
+
 
 def _model():
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dtorch_ops
-from compile_helpers import GRAPH_OPS
+from compile_helpers import GRAPH_OPS, RAW_OPS
 from conftest import WAIT_MS
 
 
@@ -97,7 +97,8 @@ def _keeps_the_raw_op(strict, raw):
     return raw and not strict
 
 
-FORMS = pytest.mark.parametrize("raw", [False, True], ids=["to_torch_async", "raw_op"])
+FORMS = pytest.mark.parametrize("raw", [pytest.param(False, id="to_torch_async"),
+                                         pytest.param(True, id="raw_op", marks=RAW_OPS)])
 
 
 @GRAPH_OPS

@@ -6,7 +6,7 @@ import torch
 import torch._dynamo
 
 import dtorch_ops
-from compile_helpers import GRAPH_OPS, _GraphCapture, _model
+from compile_helpers import GRAPH_OPS, RAW_OPS, _GraphCapture, _model
 from conftest import WAIT_MS
 
 
@@ -42,7 +42,8 @@ def _raw_op_step(x, w):
 
 
 @GRAPH_OPS
-@pytest.mark.parametrize("step", [_future_step, _raw_op_step], ids=["python_api", "raw_ops"])
+@pytest.mark.parametrize("step", [pytest.param(_future_step, id="python_api"),
+                                  pytest.param(_raw_op_step, id="raw_ops", marks=RAW_OPS)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_futures_created_in_a_compiled_step(backend, step):
     torch._dynamo.reset()
@@ -112,8 +113,9 @@ def test_compiled_future_is_recorded_right_after_its_value():
 # calls: dtorch_ops/compile/raw_ops.py).
 FUTURE_FORMS = pytest.mark.parametrize(
     "future_of, sync_of",
-    [(dtorch_ops.to_torch_async, dtorch_ops.sync_async),
-     (torch.ops.dtorch.get_tensor_async, torch.ops.dtorch.sync)], ids=["python_api", "raw_ops"])
+    [pytest.param(dtorch_ops.to_torch_async, dtorch_ops.sync_async, id="python_api"),
+     pytest.param(torch.ops.dtorch.get_tensor_async, torch.ops.dtorch.sync, id="raw_ops",
+                  marks=RAW_OPS)])
 
 
 @GRAPH_OPS

@@ -14,7 +14,7 @@ import torch
 import torch._dynamo
 
 import dtorch_ops
-from compile_helpers import GRAPH_OPS
+from compile_helpers import RAW_OPS
 from conftest import WAIT_MS
 
 ops = torch.ops.dtorch
@@ -31,7 +31,7 @@ def _host_copy_step(x):
     return doubled + 1, (host, host_list, done_on)
 
 
-@GRAPH_OPS
+@RAW_OPS
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_raw_host_copies_compile_into_the_graph(backend):
     torch._dynamo.reset()
@@ -56,7 +56,7 @@ def test_raw_host_copies_compile_into_the_graph(backend):
     assert isinstance(raw, torch.ScriptObject) and torch.equal(raw.wait(WAIT_MS), torch.ones(2))
 
 
-@GRAPH_OPS
+@RAW_OPS
 def test_a_compiled_raw_future_has_the_raw_and_the_python_methods():
     from devices import SimDev
 
@@ -73,12 +73,14 @@ def test_a_compiled_raw_future_has_the_raw_and_the_python_methods():
         with pytest.raises(RuntimeError, match="timed out") as timed_out:
             future.wait(50)  # the raw op's wait(ms): a RuntimeError subclass on timeout
         assert isinstance(timed_out.value, dtorch_ops.FutureTimeoutError) and future.valid()
+        assert future.wait_for(20) is False  # the raw op's wait_for(ms) -> bool
         derived = future.then(lambda f: f.value() + 1)  # torch.futures.Future's names
         called = []
         future.add_done_callback(lambda f: called.append(f.value().cpu().sum().item()))
     finally:
         release()
     expected = torch.full((4,), 4.0)
+    assert future.wait_for(WAIT_MS) is True
     assert torch.equal(future.wait(WAIT_MS).cpu(), expected)
     assert torch.equal(future.result(WAIT_MS / 1000).cpu(), expected)
     assert torch.equal(derived.wait(WAIT_MS).cpu(), expected + 1)
@@ -90,7 +92,7 @@ def test_a_compiled_raw_future_has_the_raw_and_the_python_methods():
     assert future.done() and future.is_ready() and not future.valid()
 
 
-@GRAPH_OPS
+@RAW_OPS
 def test_a_compiled_raw_future_is_awaitable():
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: (x + 1, ops.get_tensor_async(x * 2), ops.sync()),
@@ -105,7 +107,7 @@ def test_a_compiled_raw_future_is_awaitable():
     assert torch.equal(value, torch.full((2,), 2.0)) and nothing is None
 
 
-@GRAPH_OPS
+@RAW_OPS
 def test_the_op_reached_any_way_compiles():
     # Dynamo meets the op object through a global, a closure, an argument, a container, a
     # partial, getattr: each is traced as the stand-in. Another op passed in recompiles.
@@ -143,7 +145,7 @@ def test_the_op_reached_any_way_compiles():
     assert type(host) is dtorch_ops.TensorFuture and torch.equal(host.get(), torch.full((2,), 2.0))
 
 
-@GRAPH_OPS
+@RAW_OPS
 def test_what_the_raw_op_refuses_eagerly_it_refuses_compiled():
     # The Python API takes more (one device for sync_async, a str): a raw op in compiled code
     # takes what its schema takes, so compiled code also runs eagerly and in TorchScript.
@@ -168,11 +170,29 @@ with warnings.catch_warnings(record=True) as caught:
     import dtorch_ops
 if dtorch_ops.compile.graph_ops.defined_ops is not None:
     assert any("break compiled graphs" in str(w.message) for w in caught), caught
+assert not dtorch_ops.compile.raw_ops.registered  # (what tests/compile_helpers.RAW_OPS skips on)
 explain = torch._dynamo.explain(lambda x: torch.ops.dtorch.get_tensor_async(x * 2))(torch.ones(2))
 reasons = [r.reason for r in explain.break_reasons]
 assert any("returned non-Tensor" in r for r in reasons), reasons  # Dynamo's own graph break
 print("ok")
 """
+
+
+def test_the_raw_op_route_exists_where_it_is_pinned():
+    # Dynamo's tables raw_ops.py registers the stand-ins in: checked on the torch versions
+    # scripts/compat.sh runs (2.13 here, 2.14.1, 2.15.0); 2.11 has no graph ops (a graph break
+    # naming the version: test_compile.py), and an untested torch may lack the tables (RAW_OPS
+    # then skips the raw-op cases, and Dynamo's own graph break stays).
+    from torch.torch_version import TorchVersion
+
+    version = TorchVersion(torch.__version__)
+    if not ("2.13" <= version < "2.16"):
+        pytest.skip(f"torch {torch.__version__} is not one the route is pinned on (2.13-2.15)")
+    assert dtorch_ops.compile.graph_ops.defined_ops is not None
+    assert dtorch_ops.compile.raw_ops.registered
+    # Each op's packet and its one overload (.default), of the four raw ops.
+    names = sorted(str(op) for op in dtorch_ops.compile.raw_ops._substituted)
+    assert len(names) == 8 and len(set(names)) == 8, names
 
 
 def test_a_dynamo_without_the_registrations_keeps_its_own_graph_break():
@@ -208,7 +228,8 @@ def test_scripting_the_module_is_unchanged(tmp_path):
         out, future = runnable(x)
         assert isinstance(future, torch.ScriptObject)
         torch.testing.assert_close(future.wait(WAIT_MS), module(x)[0].detach() * 2)
-    if dtorch_ops.compile.graph_ops.defined_ops is not None:  # and the same module compiles
+    if dtorch_ops.compile.raw_ops.registered and dtorch_ops.compile.graph_ops.defined_ops:
+        # and the same module compiles
         torch._dynamo.reset()
         out, future = torch.compile(module, fullgraph=True, backend="aot_eager")(x)
         torch.testing.assert_close(future.wait(WAIT_MS), out.detach() * 2)

@@ -80,6 +80,32 @@ def test_value_raises_the_error_each_time_and_get_consumes_it(kind):
         future.value()
 
 
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_wait_for_answers_as_the_raw_future_does(kind):
+    # The raw futures' wait_for(ms) -> bool on the Python ones (a compiled raw op returns these):
+    # True once complete, value or error, reading and consuming nothing.
+    promise, future = _pair(kind)
+    raw = future.raw
+    started = time.monotonic()
+    assert future.wait_for(30) is False and raw.wait_for(0) is False
+    assert time.monotonic() - started >= 0.025
+    promise.set_value(torch.ones(2))
+    assert future.wait_for(WAIT_MS) is True and raw.wait_for(0) is True and future.valid()
+    assert torch.equal(future.get(), torch.ones(2))
+    assert future.wait_for(0) is raw.wait_for(0) is True  # consumed: still complete
+    failed, failing = _pair(kind)
+    failed.set_exception(ValueError("bad batch"))
+    assert failing.wait_for(WAIT_MS) is True and failing.valid()  # the error is not raised
+    with pytest.raises(TypeError, match="needs a timeout"):
+        failing.wait_for(None)
+    with pytest.raises(ValueError, match=">= 0"):
+        failing.wait_for(-1)
+    with pytest.raises(TypeError, match="number of milliseconds"):
+        failing.wait_for("1")
+    for other in (dtorch_ops.sync_async(), dtorch_ops.VoidPromise().get_future()):
+        assert isinstance(other.wait_for(0), bool)
+
+
 def test_value_of_void_futures_and_of_a_sync():
     promise = dtorch_ops.VoidPromise()
     future = promise.get_future()

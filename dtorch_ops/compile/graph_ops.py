@@ -89,8 +89,8 @@ def _returns_opaques_from_graphs() -> bool:
 
 
 # What a user may call on a future; the placeholder's versions break the graph.
-_WAIT_MEMBERS = ("get", "wait", "result", "exception", "value", "is_ready", "done", "valid",
-                 "kind", "devices", "add_done_callback", "then", "to_torch_future")
+_WAIT_MEMBERS = ("get", "wait", "wait_for", "result", "exception", "value", "is_ready", "done",
+                 "valid", "kind", "devices", "add_done_callback", "then", "to_torch_future")
 # What a user may call on a promise (each breaks the graph, or refuses under export).
 _PROMISE_MEMBERS = ("set_value", "set_exception", "get_future", "kind", "serialize", "raw")
 

@@ -44,10 +44,18 @@ _Tensor = torch.Tensor
 _device = torch.device
 
 # Why a raw op breaks the graph where the graph ops do not exist (also reached through
-# dtorch_ops.to_torch_async / sync_async there, which call the raw ops).
-_NO_GRAPH_OPS = (f"torch {torch.__version__} cannot return an opaque future from a compiled "
-                 "graph, so torch.ops.dtorch.{name} runs eagerly (a graph break); torch >= 2.12 "
-                 "compiles it into the graph")
+# dtorch_ops.to_torch_async / sync_async there, which call the raw ops): a torch before opaque
+# types, or one that refused their registration (graph_ops warned at import).
+if graph_ops._returns_opaques_from_graphs():
+    _NO_GRAPH_OPS = (f"torch {torch.__version__} refused dtorch_ops' graph ops (see the warning "
+                     "at import), so torch.ops.dtorch.{name} runs eagerly (a graph break)")
+else:
+    _NO_GRAPH_OPS = (f"torch {torch.__version__} cannot return an opaque future from a compiled "
+                     "graph, so torch.ops.dtorch.{name} runs eagerly (a graph break); torch >= "
+                     "2.12 compiles it into the graph")
+
+# Whether Dynamo traces the raw ops as their stand-ins (set once torch._dynamo is imported).
+registered = False
 
 
 # The stand-ins: what Dynamo traces in place of each raw op (same parameters). They take what the
@@ -183,6 +191,8 @@ def _register(_dynamo_module) -> bool:
             add_polyfilled_id(id(op))
             handlers[op] = handler
             _substituted.append(op)
+    global registered
+    registered = True
     return True
 
 
