@@ -114,8 +114,8 @@ def main(report, samples=100, pending=1000, seconds=1.0):
         print(f"  {'floor, fresh setter thread':>40}: {fresh_med['floor']:9.1f} us")
         report.add(Figure(SECTION, "set_value on a long-lived worker thread -> await resumes",
                           "us", "dtorch await (completion-driven)", lat["ours"],
-                          [Anchor(SEED, lat["seed"], Target(">=", 10, issue=3), inverse=True),
-                           Anchor(FLOOR, lat["floor"], Target("<=", 1.5, issue=9))]))
+                          [Anchor(SEED, lat["seed"], Target(">=", 10, issue=35), inverse=True),
+                           Anchor(FLOOR, lat["floor"], Target("<=", 1.2, issue=35))]))
         report.add(Figure(SECTION, "set_value on a fresh thread per value -> await resumes", "us",
                           "dtorch await (completion-driven)", fresh["ours"],
                           [Anchor(FLOOR, fresh["floor"], Target("<=", 1.5, issue=9))]))

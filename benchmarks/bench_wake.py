@@ -64,7 +64,7 @@ def python_wake(report, samples):
     report.add(Figure(SECTION, "cross-thread wake, Python", "us",
                       "set_value -> waiter's get() returns", s["dtorch promise -> get()"],
                       [Anchor("threading.Event", s["anchor: threading.Event"],
-                              Target("<=", 1.2, issue=9)),
+                              Target("<=", 1.2, issue=35)),
                        # its wait releases the GIL too
                        Anchor("torch.futures.Future", s["reference: torch.futures.Future"])]))
 

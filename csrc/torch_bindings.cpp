@@ -268,6 +268,15 @@ TORCH_LIBRARY_IMPL(dtorch, AutogradNestedTensor, m) {
   m.impl("get_tensor_async", torch::CppFunction::makeFallthrough());
 }
 
+// The same for the dense autograd keys: without a kernel there, each call took autograd's boxed
+// fallback (which copies the op's schema per call), twice for get_tensor_async (its kernel calls
+// get_tensor): ~40 % of a raw get_tensor_async call. What the kernels do to a tensor is detached
+// or under NoGradGuard already.
+TORCH_LIBRARY_IMPL(dtorch, Autograd, m) {
+  m.impl("get_tensor", torch::CppFunction::makeFallthrough());
+  m.impl("get_tensor_async", torch::CppFunction::makeFallthrough());
+}
+
 // torch.func transforms (grad, vjp, jacrev, jvp, vmap, functionalize) would hand the op their
 // internal, unwrapped tensor: a future of it carries no gradient (grad of t * to_torch(t) came
 // out as t, not 2t). Refuse inside a transform, as vmap refuses ops without a batching rule.

@@ -19,7 +19,7 @@ from .compile.tracing import (
     _check_local_tensor,
     _defines_torch_dispatch,
     _fake_mode_active,
-    _is_compiling,
+    _compiler,
     _is_dynamo_compiling,
     _is_tracing_tensor,
     _tracing_here,
@@ -76,7 +76,7 @@ def get_tensor(t: torch.Tensor, promise) -> None:
 
     Returns at once. Usable inside torch.compile'd code with a promise created outside.
     """
-    if _is_compiling():
+    if _is_dynamo_compiling() or _compiler._is_compiling_flag:
         _check_local_tensor(t, "get_tensor")
         if _opaque_promise(promise, TensorPromise):
             _graph_ops.defined_ops.get_tensor(t, promise)
@@ -115,7 +115,7 @@ def to_torch_async(t, device=None):
             f"dtorch_ops.to_torch_async expects a torch.Tensor, got {type(t).__name__}: a list of "
             "tensors is for the host copy, to_torch_async([...], device='cpu'), which gives one "
             "TensorListFuture")
-    if _is_compiling():
+    if _is_dynamo_compiling() or _compiler._is_compiling_flag:
         _check_local_tensor(t, "to_torch_async")
         if not (_defines_torch_dispatch(t) and not _is_tracing_tensor(t)):
             graph = _graph_ops.defined_ops
@@ -151,7 +151,7 @@ def _to_host_async(t, device):
                 f"dtorch_ops.to_torch_async(t, device='cpu') copies plain tensors, got a "
                 f"{type(x).__name__} (a tensor subclass): copy the tensors it holds, or pass it "
                 "without device= (its future then yields the subclass itself)")
-    if _is_compiling():
+    if _is_dynamo_compiling() or _compiler._is_compiling_flag:
         graph = _graph_ops.defined_ops
         if graph is not None:
             return graph.to_host_list_async(tensors) if many else graph.to_host_async(t)
@@ -203,7 +203,7 @@ def sync(devices=None) -> None:
     accelerators with a context; CPU when there is none). Only the current stream of each device
     is waited for; the device is not synchronised as a whole.
     """
-    if _is_compiling():
+    if _is_dynamo_compiling() or _compiler._is_compiling_flag:
         # In a graph: the sync_wait op, an ordered effect that compiled code keeps in place.
         _sync_wait_op(_device_list(devices, "sync"))
     else:
@@ -212,7 +212,7 @@ def sync(devices=None) -> None:
 
 def sync_async(devices=None) -> VoidFutureCollect:
     """Like sync(), but returns at once an awaitable VoidFutureCollect (get / wait / await)."""
-    if _is_compiling():
+    if _is_dynamo_compiling() or _compiler._is_compiling_flag:
         devices = _device_list(devices, "sync_async")
         graph = _graph_ops.defined_ops
         if graph is not None:
@@ -225,7 +225,7 @@ def sync_async(devices=None) -> VoidFutureCollect:
 def sync_into(devices, promise) -> None:
     """Fulfils a VoidPromise (it may belong to another process) when the devices are done.
     Usable inside torch.compile'd code with a promise created outside."""
-    if _is_compiling():
+    if _is_dynamo_compiling() or _compiler._is_compiling_flag:
         devices = _device_list(devices, "sync_into")
         if _opaque_promise(promise, VoidPromise):
             _graph_ops.defined_ops.sync_into(devices, promise)

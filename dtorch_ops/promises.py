@@ -12,7 +12,7 @@ from . import _C
 from ._script_objects import _handle_from_script, _script_name, _script_object_of
 from .compile import graph_ops as _graph_ops
 from .compile.eager import _PROMISE_FORMS, _InGraphEagerly
-from .compile.tracing import _check_local_tensor, _is_compiling, _is_dynamo_compiling, _tracing_here
+from .compile.tracing import _check_local_tensor, _compiler, _is_dynamo_compiling, _tracing_here
 from .errors import FutureError, _exception_parts
 from .futures import TensorFuture, VoidFuture, _Waitable
 from .kind_options import _kind_spec, promise_kind_for
@@ -70,8 +70,13 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
         torch.distributed TCPStore: store= is one, a PrefixStore over one, or "host:port").
         Options of a kind are keyword arguments (TensorPromise(kind="file") takes device="cpu"
         and zero_copy=True; kind="network" takes store= and device="cpu")."""
-        if _is_compiling():
+        if _is_dynamo_compiling() or _compiler._is_compiling_flag:
             _refuse_promise_in_graph(type(self).__name__)
+        if type(kind) is str and kind == "memory" and not options:  # the hot path: no checks
+            self._h = handle = self._HANDLE("memory")
+            if _graph_ops.defined_ops is None:
+                self._raw = handle.script()  # (as _init_handle)
+            return
         if isinstance(kind, torch.ScriptObject):  # wrap an existing raw promise
             handle = _handle_from_script(self._HANDLE, kind)
             if handle is None:
@@ -117,9 +122,12 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
 
     def get_future(self):
         """The consumer's end; a promise has exactly one future."""
-        if _is_compiling() and _promise_method_traced("get_future"):
+        if ((_is_dynamo_compiling() or _compiler._is_compiling_flag)
+                and _promise_method_traced("get_future")):
             return _InGraphEagerly.promise_methods["get_future"](self)
-        return self._FUTURE._wrap(self._h.get_future())
+        future = _new(self._FUTURE)  # (_Waitable._wrap, inlined: the hot path)
+        future._h = self._h.get_future()
+        return future
 
     def set_exception(self, exception) -> None:
         """Fails the future with `exception`, as torch.futures.Future.set_exception: in this
@@ -129,7 +137,8 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
         ProducerError naming the type, with the producer's traceback as a note. A str (or any
         other object) fails it with a ProducerError carrying that message. A second set raises
         PromiseAlreadySatisfiedError."""
-        if _is_compiling() and _promise_method_traced("set_exception"):
+        if ((_is_dynamo_compiling() or _compiler._is_compiling_flag)
+                and _promise_method_traced("set_exception")):
             return _InGraphEagerly.promise_methods["set_exception"](self, exception)
         if isinstance(exception, type) and issubclass(exception, BaseException):
             exception = exception()
@@ -203,7 +212,8 @@ class TensorPromise(_PromiseBase):
         """Fulfils the promise with t (memory: no copy; file: copied now, or for a device tensor
         snapshotted on its stream now and published once that copy is done). A second set
         raises PromiseAlreadySatisfiedError; the first value stays."""
-        if _is_compiling() and _promise_method_traced("set_value"):
+        if ((_is_dynamo_compiling() or _compiler._is_compiling_flag)
+                and _promise_method_traced("set_value")):
             return _InGraphEagerly.promise_methods["set_value"](self, t)
         if type(t) is not _Tensor:
             _check_refused(t, "TensorPromise.set_value", self._h)
@@ -220,7 +230,8 @@ class VoidPromise(_PromiseBase):
 
     def set_value(self) -> None:
         """Signals completion. A second set raises."""
-        if _is_compiling() and _promise_method_traced("set_value"):
+        if ((_is_dynamo_compiling() or _compiler._is_compiling_flag)
+                and _promise_method_traced("set_value")):
             return _InGraphEagerly.promise_methods["set_value"](self)
         self._h.set_value()
 

@@ -71,6 +71,9 @@ class PromiseBackend {
   // network), rather than handed over as it is (memory): a value still being written by queued
   // device work must then be snapshotted before it is completed.
   virtual bool CopiesValueOut() const { return false; }
+  // Whether Complete would run in this thread and wake nobody (the memory kind with no waiter and
+  // no callback): no I/O, no other thread to hand the GIL to. A hint, as SharedState::HasNoWaiters.
+  virtual bool CompletesQuietly() const { return false; }
 
   // Reserves the single completion for `producer` (a string literal: it is kept, to name the
   // first producer when a second one is refused). Throws FutureError(kPromiseAlreadySatisfied),
@@ -168,6 +171,11 @@ class MemoryPromise final : public PromiseBackend<T> {
   }
 
   void Complete(Result<T> result) override { state_->Complete(std::move(result)); }
+  // (Not in a forked child: its claim fails anyway, and the pair's mutex may have been held by a
+  // thread of the parent.)
+  bool CompletesQuietly() const override {
+    return ForkGeneration() == created_in_ && state_->HasNoWaiters();
+  }
   std::unique_ptr<FutureBackend<T>> GetFuture() override {
     if (future_retrieved_.exchange(true)) {
       throw FutureError(FutureErrc::kFutureAlreadyRetrieved,

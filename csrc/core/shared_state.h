@@ -128,6 +128,14 @@ class SharedState {
     return CompleteLocked();  // (also once taken: complete)
   }
 
+  // Whether completing now would wake nobody: no thread blocked in Take / WaitUntil and no
+  // OnReady callback. Only a hint (a waiter may come just after): a binding uses it to complete
+  // without first releasing the GIL, which only a woken waiter needs.
+  bool HasNoWaiters() const {
+    auto lock = LockSurvivingFork(mu_);
+    return !HasWaitersLocked() && callbacks_head_ == nullptr;
+  }
+
   // The consumer's end is gone: drops the kept result, which nobody can read any more (a promise
   // that outlives its future must not keep the value alive). The state stays complete.
   void DropResult() {

@@ -178,6 +178,11 @@ bool Promise<T>::CopiesValueOut() const {
 }
 
 template <typename T>
+bool Promise<T>::CompletesQuietly() const {
+  return backend_->CompletesQuietly();
+}
+
+template <typename T>
 void Promise<T>::Claim(const char* producer) {
   TranslateErrors([&] { backend_->Claim(producer); });
 }

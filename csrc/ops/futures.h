@@ -35,6 +35,7 @@ class ProducerAccess {
   }
   static void RegisterHolder(Promise<T>& promise) noexcept { promise.RegisterHolder(); }
   static bool CopiesValueOut(const Promise<T>& promise) { return promise.CopiesValueOut(); }
+  static bool CompletesQuietly(const Promise<T>& promise) { return promise.CompletesQuietly(); }
   // SetValue, naming the op that fulfils the promise in a second completion's error (a string
   // literal: the claim keeps the pointer).
   static void SetValue(Promise<T>& promise, T value, const char* caller) {

@@ -73,6 +73,14 @@ void RegisterHolder(const c10::intrusive_ptr<VoidPromise>& promise) {
   if (promise) detail::ProducerAccess<Unit>::RegisterHolder(*promise);
 }
 
+bool CompletesQuietly(const c10::intrusive_ptr<TensorPromise>& promise) {
+  return promise && detail::ProducerAccess<at::Tensor>::CompletesQuietly(*promise);
+}
+
+bool CompletesQuietly(const c10::intrusive_ptr<VoidPromise>& promise) {
+  return promise && detail::ProducerAccess<Unit>::CompletesQuietly(*promise);
+}
+
 std::function<void()> FailAfter(const c10::intrusive_ptr<VoidPromise>& promise,
                                 int64_t timeout_ms, std::string detail) {
   TORCH_CHECK(promise, "dtorch: a timeout needs a promise, got None");

@@ -140,6 +140,10 @@ DTORCH_INTERNAL_API void SetExceptionObject(const c10::intrusive_ptr<VoidPromise
 // deserializing does. Never throws.
 DTORCH_INTERNAL_API void RegisterHolder(const c10::intrusive_ptr<TensorPromise>& promise);
 DTORCH_INTERNAL_API void RegisterHolder(const c10::intrusive_ptr<VoidPromise>& promise);
+// Whether setting a CPU value on `promise` now would wake nobody and copy nothing (a memory pair
+// that nobody waits on): a binding then sets it without releasing the GIL. A hint.
+DTORCH_INTERNAL_API bool CompletesQuietly(const c10::intrusive_ptr<TensorPromise>& promise);
+DTORCH_INTERNAL_API bool CompletesQuietly(const c10::intrusive_ptr<VoidPromise>& promise);
 // Fails `promise` with FutureErrc::kTimeout and `detail` once timeout_ms has passed, unless it was
 // completed by then (a timer of the completion pool: no thread of its own). Holds it weakly.
 // Returns what cancels the timer (callable from any thread; call it once the promise is set).

@@ -618,7 +618,7 @@ void BindPromise(py::module_& m) {
   using P = Promise<T>;
   // Completions run with the GIL released (ReleasedGil: parked at exit, as waits are), so that
   // the waiter they wake can take it at once (measured: a Python waiter woken by a completion
-  // that held the GIL resumed ~1.5x later).
+  // that held the GIL resumed ~1.5x later); set_value keeps it where it would wake nobody.
   auto cls = py::class_<P, c10::intrusive_ptr<P>>(m, P::kClassName)
                  .def(py::init(
                      [](const std::string& kind) { return c10::make_intrusive<P>(kind); }))
@@ -661,10 +661,14 @@ void BindPromise(py::module_& m) {
                              })
                  .def("script", &ToScript<P>)
                  .def_static("from_script", &FromScript<P>);
+  // The GIL is kept where nobody waits (a pair set and read on one thread): releasing it would
+  // hand it to another Python thread for nothing (measured: futures resolved per second by 4
+  // producer threads went from 0.9x torch.futures' to 2.7x).
   if constexpr (std::is_same_v<T, at::Tensor>) {
     cls.def("set_value", [](const c10::intrusive_ptr<P>& self, at::Tensor value) {
-      if (value.key_set().has(c10::DispatchKey::Python)) {
-        self->SetValue(std::move(value));  // with the GIL: the subclass check needs Python
+      if (value.key_set().has(c10::DispatchKey::Python) ||
+          (value.device().is_cpu() && internal::CompletesQuietly(self))) {
+        self->SetValue(std::move(value));  // with the GIL: also the subclass check needs Python
         return;
       }
       ReleasedGil unlocked;
@@ -672,6 +676,7 @@ void BindPromise(py::module_& m) {
     });
   } else {
     cls.def("set_value", [](const c10::intrusive_ptr<P>& self) {
+      if (internal::CompletesQuietly(self)) return self->SetValue({});
       ReleasedGil unlocked;
       self->SetValue({});
     });

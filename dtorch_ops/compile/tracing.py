@@ -9,10 +9,16 @@ import sys
 import torch
 
 _Tensor = torch.Tensor
-# Both are folded to True by Dynamo while it traces. is_compiling is also True under torch.export's
-# non-strict tracing (no Dynamo: graph breaks do not exist there); is_dynamo_compiling is cheaper.
-_is_compiling = torch.compiler.is_compiling
+# Folded to True by Dynamo while it traces.
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+# What the library asks for torch.compiler.is_compiling() (True also under torch.export's
+# non-strict tracing, where graph breaks do not exist) is
+#     _is_dynamo_compiling() or _compiler._is_compiling_flag
+# at half its cost (one Python call, not two: is_compiling() also asks torch.jit.is_scripting()).
+# Under Dynamo the call folds to True, so the flag (a module global Dynamo would guard on) is
+# never read while tracing; outside it the flag is what is_compiling() returns (set by
+# torch.export's tracing and by a compile session).
+_compiler = torch.compiler
 
 
 def _check_local_tensor(t, what: str) -> None:

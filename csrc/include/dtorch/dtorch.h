@@ -226,6 +226,8 @@ class DTORCH_API Promise : public torch::CustomClassHolder {
   // Whether the kind copies the value out of this process (file, network): a device value must then be
   // snapshotted on its stream before it is completed.
   bool CopiesValueOut() const;
+  // Whether setting a CPU value now would wake nobody and copy nothing (core::PromiseBackend).
+  bool CompletesQuietly() const;
   void Claim(const char* producer);
   void CompleteClaimed(T value) noexcept;
   void FailClaimed(const std::string& message) noexcept;
