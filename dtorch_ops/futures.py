@@ -114,7 +114,7 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
         limit = _C.timeout_ms_of("exception", timeout, timeout_ms)
         # Waited for without reading its outcome: a wait's own error (a timeout, Ctrl-C) is
         # raised, the future's is returned.
-        if not self._h.is_ready() and _completion_queue([self]).pop(limit) is None:
+        if not self._ready_within(limit):
             raise FutureTimeoutError(
                 f"dtorch: timed out: exception(): the future was not complete within "
                 f"{_describe_timeout(timeout, timeout_ms)}; it is still valid, wait again")
@@ -135,8 +135,12 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
                             "(wait() waits without one)")
         if isinstance(timeout_ms, (int, float)) and timeout_ms < 0:
             raise ValueError(f"dtorch: wait_for(timeout_ms) needs timeout_ms >= 0, got {timeout_ms}")
-        limit = _C.timeout_ms_of("wait_for", None, timeout_ms)
-        return self._h.is_ready() or _completion_queue([self]).pop(limit) is not None
+        return self._ready_within(_C.timeout_ms_of("wait_for", None, timeout_ms))
+
+    def _ready_within(self, limit_ms) -> bool:
+        """Whether the future is complete within limit_ms (None: no limit), its outcome unread:
+        a wait's own error (Ctrl-C) is raised."""
+        return self._h.is_ready() or _completion_queue([self]).pop(limit_ms) is not None
 
     def then(self, callback):
         """Returns a new future of ``callback(self)``'s result, called once this future is
