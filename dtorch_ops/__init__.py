@@ -19,6 +19,7 @@ Raw ops and classes (TorchScript, C++, torch.compile): ``torch.ops.dtorch.get_te
 """
 import atexit as _atexit
 import os as _os
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 import torch as _torch
 
@@ -38,7 +39,10 @@ def _load_native_library():
     return _C
 
 
-_C = _load_native_library()
+if _TYPE_CHECKING:
+    from . import _C  # (its stub, _C.pyi)
+else:
+    _C = _load_native_library()
 
 
 def _at_exit():
@@ -128,7 +132,7 @@ from .compile import lowerings as _lowerings  # noqa: E402,F401
 from .compile import raw_ops as _raw_ops  # noqa: E402,F401
 
 
-def library_threads() -> dict:
+def library_threads() -> dict[str, int]:
     """The library's threads alive now, by role:
     ``{"detectors": n, "pool": m, "doorbell": d, "network": k}``.
 

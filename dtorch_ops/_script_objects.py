@@ -41,6 +41,14 @@ def _script_object_of(handle_owner):
     return raw
 
 
+def _capsule_of(handle_owner):
+    """The `capsule` of a future or promise wrapper: where TorchScript expects a
+    torch.classes.dtorch object (a scripted function's argument, a torch.ops call) and gets a
+    Python object, it builds the object from that object's `capsule` attribute; this one holds
+    the wrapper's own C++ state, so the wrapper passes as its raw object."""
+    return handle_owner._h.capsule()
+
+
 def _patch_script_objects() -> None:
     """Raw dtorch objects are handles: truthy, and never copied.
 

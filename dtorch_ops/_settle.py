@@ -24,20 +24,28 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _pending_object_future(future: ObjectFuture, timeout_ms=None, what=""):
+def _pending_object_future(future: ObjectFuture, timeout_ms=None, what="", adopt_tensor=None):
     """Makes `future` pending; returns settle(ok, value), which completes it once. With
-    timeout_ms, it fails with FutureTimeoutError if not settled by then (what: the message)."""
+    timeout_ms, it fails with FutureTimeoutError if not settled by then (what: the message).
+    adopt_tensor (the TensorFuture class): a tensor value makes `future` a TensorFuture of it
+    (its class and handle changed before it completes, so that whoever it wakes sees that)."""
     promise = _C.VoidPromise("memory")
-    future._h = promise.get_future()
+    completion = future._h = promise.get_future()
     future._result = None
     lock = threading.Lock()
     timer = None if timeout_ms is None else _C.fail_after(promise, timeout_ms, what)
 
     def settle(ok, value):
         with lock:  # (one settle at a time; the timeout's timer may complete it meanwhile)
-            if future._h.is_ready():
+            if completion.is_ready():
                 return  # (timed out, or settled already)
             future._result = (ok, value)
+            if adopt_tensor is not None and ok and isinstance(value, _Tensor):
+                tensor_promise = _C.TensorPromise("memory")
+                handle = tensor_promise.get_future()
+                tensor_promise.set_value(value)
+                future._h = handle
+                future.__class__ = adopt_tensor
             try:
                 promise.set_value()
             except FutureError:

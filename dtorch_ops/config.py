@@ -6,6 +6,7 @@ from that table (``_C.settings()``), and so does the reference, docs/reference/s
 (``python -m dtorch_ops.config --markdown``). Setting one here checks it and applies it at once.
 """
 import math
+from typing import TYPE_CHECKING
 
 from . import _C
 
@@ -59,7 +60,21 @@ class Config:
     # The default for promise_kind_for(..., per_device_per_process=None).
     per_device_per_process: bool = False
 
-    def __repr__(self):
+    if TYPE_CHECKING:
+        # The library's settings, made below from its table (_C.settings()): seconds (a float;
+        # an int is taken too) or a count. tests/test_typing.py checks the list against it.
+        max_detector_threads: int
+        detector_idle_exit_s: float
+        pool_threads: int
+        exit_timeout_s: float
+        attach_timeout_s: float
+        network_heartbeat_timeout_s: float
+        network_store_timeout_s: float
+        network_pair_groups: int
+        network_pair_idle_s: float
+        file_payload_idle_s: float
+
+    def __repr__(self) -> str:
         names = ("per_device_per_process", *(entry["name"] for entry in _TABLE))
         return "dtorch_ops.Config(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 

@@ -8,6 +8,8 @@ dtorch_ops.waiting.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, overload
+
 import torch
 
 from . import _C
@@ -34,6 +36,19 @@ from .promises import (
     _traced_promise,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import ParamSpec, TypeAlias, TypeVar
+
+    _P = ParamSpec("_P")
+    _R = TypeVar("_R")
+    _TensorT = TypeVar("_TensorT", bound=torch.Tensor)
+    # A device ('cuda:0', torch.device, an index); sync & co. take one, a list or None (all).
+    _Device: TypeAlias = str | int | torch.device
+    _Devices: TypeAlias = _Device | Sequence[_Device] | None
+    # A list of tensors for the host copy (to_torch_async(tensors, device="cpu")).
+    _TensorList: TypeAlias = list[torch.Tensor] | tuple[torch.Tensor, ...]
+
 _Tensor = torch.Tensor
 
 # The ops, for compiled code (Dynamo traces torch.ops, not the _C binding).
@@ -46,6 +61,12 @@ _sync_wait_op = torch.ops.dtorch.sync_wait.default
 _sync_into_op = torch.ops.dtorch.sync_into.default
 
 
+@overload
+def run_into(promise: TensorPromise, fn: Callable[_P, _TensorT], *args: _P.args,
+             **kwargs: _P.kwargs) -> _TensorT: ...
+@overload
+def run_into(promise: VoidPromise, fn: Callable[_P, _R], *args: _P.args,
+             **kwargs: _P.kwargs) -> _R: ...
 def run_into(promise, fn, *args, **kwargs):
     """Calls ``fn(*args, **kwargs)`` and fulfils `promise` with its result: a tensor through
     ``get_tensor`` (a TensorPromise: ready once the device work producing it is done), nothing
@@ -71,7 +92,7 @@ def _opaque_promise(promise, wrapper) -> bool:
     return _graph_ops.defined_ops is not None and isinstance(promise, wrapper)
 
 
-def get_tensor(t: torch.Tensor, promise) -> None:
+def get_tensor(t: torch.Tensor, promise: TensorPromise | torch.ScriptObject) -> None:
     """Fulfils promise with t once the work producing t on its current stream is done.
 
     Returns at once. Usable inside torch.compile'd code with a promise created outside.
@@ -97,6 +118,10 @@ def get_tensor(t: torch.Tensor, promise) -> None:
         _C.get_tensor(t, handle, _above_subclass(t, "get_tensor"))
 
 
+@overload
+def to_torch_async(t: torch.Tensor, device: str | torch.device | None = None) -> TensorFuture: ...
+@overload
+def to_torch_async(t: _TensorList, device: str | torch.device) -> TensorListFuture: ...
 def to_torch_async(t, device=None):
     """Returns at once a future that yields t (aliased, no copy) when the work producing it is
     done. On CPU the value is ready at once. Inside torch.compile: an ordered op of the graph.
@@ -137,7 +162,22 @@ def to_torch_async(t, device=None):
     return TensorFuture._wrap(_C.get_tensor_async(t, _above_subclass(t, "to_torch_async")))
 
 
+def _host_device_arg(device, what: str) -> None:
+    """Checks to_torch(_async)'s device= by type first: an int is a timeout written in the wrong
+    place far more often than a device index, and the only device it takes is the host."""
+    if isinstance(device, (str, torch.device)):
+        return
+    hint = ""
+    if isinstance(device, (int, float)) and not isinstance(device, bool):
+        hint = (f"; for a timeout, wait on the future: dtorch_ops.to_torch_async(t)"
+                f".wait({device!r}) (milliseconds), or to_torch(t, timeout_ms={device!r})")
+    raise TypeError(
+        f"dtorch_ops.{what}(t, device): device is 'cpu' or torch.device('cpu') (the host copy), "
+        f"got {type(device).__name__} {device!r}{hint}")
+
+
 def _to_host_async(t, device):
+    _host_device_arg(device, "to_torch_async")
     if device != "cpu" and _device(device, "to_torch_async").type != "cpu":
         raise ValueError(
             f"dtorch_ops.to_torch_async(t, device=...) copies to the host only: pass "
@@ -164,12 +204,24 @@ def _to_host_async(t, device):
     return TensorFuture._wrap(_C.copy_to_host_async(t))
 
 
-def to_torch(t, device=None):
-    """The blocking form: to_torch_async(t, device).get(). Inside torch.compile a graph break: a
-    wait cannot be part of a graph."""
-    if _is_dynamo_compiling():
-        return _InGraphEagerly.to_torch(t, device)  # a graph break, then the eager path
-    return to_torch_async(t, device).get()
+@overload
+def to_torch(t: torch.Tensor, device: str | torch.device | None = None, *,
+             timeout_ms: float | None = None, timeout: float | None = None) -> torch.Tensor: ...
+@overload
+def to_torch(t: _TensorList, device: str | torch.device, *, timeout_ms: float | None = None,
+             timeout: float | None = None) -> list[torch.Tensor]: ...
+def to_torch(t, device=None, *, timeout_ms=None, timeout=None):
+    """The blocking form: to_torch_async(t, device).get(). ``timeout_ms`` (milliseconds) or
+    ``timeout=`` (seconds) bound the wait: past it, raises FutureTimeoutError. Inside
+    torch.compile a graph break: a wait cannot be part of a graph."""
+    if _is_dynamo_compiling():  # a graph break, then the eager path
+        return _InGraphEagerly.to_torch(t, device, timeout_ms=timeout_ms, timeout=timeout)
+    if device is not None:
+        _host_device_arg(device, "to_torch")
+    future = to_torch_async(t, device)
+    if timeout_ms is not None or timeout is not None:
+        future.wait(timeout_ms, timeout=timeout)
+    return future.get()
 
 
 def _device(d, what: str) -> torch.device:
@@ -196,7 +248,7 @@ def _device_list(devices, what: str):
     return [_device(devices, what)]
 
 
-def sync(devices=None) -> None:
+def sync(devices: _Devices = None) -> None:
     """Blocks (GIL released) until the work queued so far on each device's current stream is done.
 
     devices: a device, a list of devices, or None for the devices this process has used (the
@@ -210,7 +262,7 @@ def sync(devices=None) -> None:
         _C.sync_async(_device_list(devices, "sync")).get()
 
 
-def sync_async(devices=None) -> VoidFutureCollect:
+def sync_async(devices: _Devices = None) -> VoidFutureCollect:
     """Like sync(), but returns at once an awaitable VoidFutureCollect (get / wait / await)."""
     if _is_dynamo_compiling() or _compiler._is_compiling_flag:
         devices = _device_list(devices, "sync_async")
@@ -222,7 +274,7 @@ def sync_async(devices=None) -> VoidFutureCollect:
     return VoidFutureCollect._wrap(_C.sync_async(_device_list(devices, "sync_async")))
 
 
-def sync_into(devices, promise) -> None:
+def sync_into(devices: _Devices, promise: VoidPromise | torch.ScriptObject) -> None:
     """Fulfils a VoidPromise (it may belong to another process) when the devices are done.
     Usable inside torch.compile'd code with a promise created outside."""
     if _is_dynamo_compiling() or _compiler._is_compiling_flag:

@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import TYPE_CHECKING, overload
 
 import torch
 
 from . import _C
-from ._script_objects import _a, _handle_from_script, _script_name, _script_object_of
+from ._script_objects import (
+    _a,
+    _capsule_of,
+    _handle_from_script,
+    _script_name,
+    _script_object_of,
+)
 from ._settle import (
     _call_and_settle,
     _pending_object_future,
@@ -29,6 +36,10 @@ from .compile import graph_ops as _graph_ops
 from .compile.eager import _InGraphEagerly
 from .compile.tracing import _is_dynamo_compiling
 from .errors import FutureTimeoutError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Generator
+    from typing import Any, Self
 
 _Tensor = torch.Tensor
 
@@ -46,13 +57,15 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
 
     # __weakref__: tracing keeps opaque objects in weak dictionaries. _fanout: the one completion
     # callback the waits over several futures share (_fanout_of).
-    __slots__ = ("_h", "_raw", "_pending", "_fanout", "__weakref__")
+    # _result: an ObjectFuture's outcome; here, so that the future then() returns, an
+    # ObjectFuture until its callback has returned, can become a TensorFuture (same layout).
+    __slots__ = ("_h", "_raw", "_pending", "_fanout", "_result", "__weakref__")
     _HANDLE = None
     _PRODUCED_BY = ""
     # torch.futures.Future -> a handle of _HANDLE completed by it (None: not adoptable).
     _ADOPT = None
 
-    def __init__(self, raw):
+    def __init__(self, raw: torch.ScriptObject | torch.futures.Future[Any] | Self) -> None:
         """Wraps a raw future (a torch.classes.dtorch object, e.g. an op's result); the wrapper
         and the raw object share one state. A torch.futures.Future (an RPC future, say) is
         adopted: this future completes with its value or error when it does."""
@@ -99,12 +112,21 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
 
     raw = property(_script_object_of, doc=(
         "The TorchScript object of the same state (for TorchScript and torch.ops calls)."))
+    capsule = property(_capsule_of, doc=(
+        "The C++ state, as TorchScript reads it: a scripted function or a torch.ops call that "
+        "takes a torch.classes.dtorch object accepts this future itself (as it accepts .raw)."))
 
     # get(), wait(timeout_ms=None, *, timeout=None), result(timeout=None), value(), is_ready(),
     # done(), valid() and add_done_callback() are C++ methods installed by the binding
     # (_C.install_wait_methods, below the classes).
+    if TYPE_CHECKING:  # what type checkers see of them (those returning the value: per class)
+        def is_ready(self) -> bool: ...
+        def done(self) -> bool: ...
+        def valid(self) -> bool: ...
+        def add_done_callback(self, callback: Callable[[Self], object], /) -> None: ...
 
-    def exception(self, timeout=None, *, timeout_ms=None):
+    def exception(self, timeout: float | None = None, *,
+                  timeout_ms: float | None = None) -> BaseException | None:
         """concurrent.futures.Future.exception(): waits like result() (timeout in seconds, or
         timeout_ms=) and returns the future's error (what get() would raise), or None when it
         holds a value; past the timeout raises FutureTimeoutError. Consumes nothing."""
@@ -124,7 +146,7 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
             return e
         return None
 
-    def wait_for(self, timeout_ms):
+    def wait_for(self, timeout_ms: float) -> bool:
         """The raw futures' ``wait_for(ms)``: True once the future is complete (its value or its
         error, neither read), False if it is not within ``timeout_ms`` milliseconds. Consumes
         nothing; the GIL is released while waiting."""
@@ -142,16 +164,24 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
         a wait's own error (Ctrl-C) is raised."""
         return self._h.is_ready() or _completion_queue([self]).pop(limit_ms) is not None
 
+    @overload
+    def then(self, callback: Callable[[Self], torch.Tensor]) -> TensorFuture: ...
+    @overload
+    def then(self, callback: Callable[[Self], object]) -> ObjectFuture: ...  # (a tensor: see below)
+
     def then(self, callback):
         """Returns a new future of ``callback(self)``'s result, called once this future is
         complete (as ``torch.futures.Future.then``); the callback reads this future's value with
         ``value()``, which raises its error, if any.
 
-        The new future is a ``TensorFuture`` when the callback is annotated to return a tensor
-        (``def f(fut) -> torch.Tensor``), else an ``ObjectFuture``. An exception raised by the
-        callback fails the new future: an ``ObjectFuture`` raises that very exception, a
-        ``TensorFuture`` a ``ProducerError`` naming it. Where the callback runs: see
-        ``add_done_callback``.
+        The new future is a ``TensorFuture`` whenever the callback returns a tensor: at once
+        when the callback is annotated to return one (``def f(fut) -> torch.Tensor``; its
+        ``.raw`` then exists before the callback has run), else it is an ``ObjectFuture`` until
+        the callback has returned and then adopts its result's type (``isinstance(f,
+        TensorFuture)`` holds from the moment it is complete: at once where this future is
+        complete already). An exception raised by the callback fails the new future: an
+        ``ObjectFuture`` raises that very exception, an annotated ``TensorFuture`` a
+        ``ProducerError`` naming it. Where the callback runs: see ``add_done_callback``.
         """
         if _is_dynamo_compiling():
             return _InGraphEagerly.call_member(self, "then", callback)  # a graph break
@@ -163,7 +193,7 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
             settle = _promise_settler(promise, "the then() callback")
         else:
             derived = _new(ObjectFuture)
-            settle = _pending_object_future(derived)
+            settle = _pending_object_future(derived, adopt_tensor=TensorFuture)
         self.add_done_callback(lambda done: _call_and_settle(callback, done, settle))
         return derived
 
@@ -183,7 +213,7 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
         _settle_when_done(self, settle)
         return torch_future
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, Any]:
         """``await future``: suspends the coroutine (not the loop) until the value is ready.
 
         Woken by the completion itself (no polling). Cancelling the awaiting task leaves the
@@ -230,6 +260,15 @@ class TensorFuture(_Future):
     _HANDLE = _C.TensorFuture
     _PRODUCED_BY = "torch.ops.dtorch.get_tensor_async"
 
+    if TYPE_CHECKING:  # installed by the binding (_C.install_wait_methods)
+        def get(self) -> torch.Tensor: ...
+        def wait(self, timeout_ms: float | None = None, *,
+                 timeout: float | None = None) -> torch.Tensor: ...
+        def result(self, timeout: float | None = None, *,
+                   timeout_ms: float | None = None) -> torch.Tensor: ...
+        def value(self) -> torch.Tensor: ...
+        def __await__(self) -> Generator[Any, None, torch.Tensor]: ...
+
 
 class TensorListFuture(_Future):
     """Several tensors that arrive together: the host copies of
@@ -240,6 +279,15 @@ class TensorListFuture(_Future):
     _HANDLE = _C.TensorListFuture
     _PRODUCED_BY = "torch.ops.dtorch.copy_list_to_host_async"
 
+    if TYPE_CHECKING:  # installed by the binding (_C.install_wait_methods)
+        def get(self) -> list[torch.Tensor]: ...
+        def wait(self, timeout_ms: float | None = None, *,
+                 timeout: float | None = None) -> list[torch.Tensor]: ...
+        def result(self, timeout: float | None = None, *,
+                   timeout_ms: float | None = None) -> list[torch.Tensor]: ...
+        def value(self) -> list[torch.Tensor]: ...
+        def __await__(self) -> Generator[Any, None, list[torch.Tensor]]: ...
+
 
 class VoidFuture(_Future):
     """A completion signal without a value: get() and wait() return None. Otherwise like
@@ -248,6 +296,15 @@ class VoidFuture(_Future):
     __slots__ = ()
     _HANDLE = _C.VoidFuture
     _PRODUCED_BY = "torch.classes.dtorch.VoidPromise.get_future"
+
+    if TYPE_CHECKING:  # installed by the binding (_C.install_wait_methods)
+        def get(self) -> None: ...
+        def wait(self, timeout_ms: float | None = None, *,
+                 timeout: float | None = None) -> None: ...
+        def result(self, timeout: float | None = None, *,
+                   timeout_ms: float | None = None) -> None: ...
+        def value(self) -> None: ...
+        def __await__(self) -> Generator[Any, None, None]: ...
 
 
 class VoidFutureCollect(_Waitable):
@@ -260,6 +317,15 @@ class VoidFutureCollect(_Waitable):
     __slots__ = ()
     _HANDLE = _C.VoidFutureCollect
     _PRODUCED_BY = "torch.ops.dtorch.sync"
+
+    if TYPE_CHECKING:  # installed by the binding (_C.install_wait_methods)
+        def get(self) -> None: ...
+        def wait(self, timeout_ms: float | None = None, *,
+                 timeout: float | None = None) -> None: ...
+        def result(self, timeout: float | None = None, *,
+                   timeout_ms: float | None = None) -> None: ...
+        def value(self) -> None: ...
+        def __await__(self) -> Generator[Any, None, None]: ...
 
     def devices(self) -> list[torch.device]:
         if _is_dynamo_compiling():
@@ -282,41 +348,43 @@ class ObjectFuture(_Waitable):
     Thread-safe.
     """
 
-    __slots__ = ("_result",)  # (True, value) or (False, exception), set before completion, kept
+    # _result (a slot of _Waitable): (True, value) or (False, exception), set before completion,
+    # kept.
+    __slots__ = ()
     _HANDLE = _C.VoidFuture  # the completion; the value stays in Python
     _PRODUCED_BY = "then() or collect_all()"
 
-    def __init__(self, torch_future):
+    def __init__(self, torch_future: torch.futures.Future[Any]) -> None:
         if not isinstance(torch_future, _TorchFuture):
             raise TypeError("dtorch_ops.ObjectFuture(torch_future) adopts a torch.futures.Future,"
                             f" got {_script_name(torch_future)}")
         _settle_when_done(torch_future, _pending_object_future(self))
 
-    def get(self):
+    def get(self) -> Any:
         """Blocks until the value is ready and returns it (or raises the error); consumes the
         future. The GIL is released while waiting."""
         self._h.get()  # waits; raises once consumed, or broken
         return _unpack(self._result)
 
-    def wait(self, timeout_ms=None, *, timeout=None):
+    def wait(self, timeout_ms: float | None = None, *, timeout: float | None = None) -> Any:
         """Blocks until the value is ready and returns it (or raises the error), without
         consuming it. timeout_ms (milliseconds) or timeout= (seconds) bound the wait: past it,
         raises FutureTimeoutError (a TimeoutError)."""
         self._h.wait(timeout_ms, timeout=timeout)
         return _unpack(self._result)
 
-    def result(self, timeout=None, *, timeout_ms=None):
+    def result(self, timeout: float | None = None, *, timeout_ms: float | None = None) -> Any:
         """concurrent.futures.Future.result(): wait() with the timeout in seconds."""
         self._h.result(timeout, timeout_ms=timeout_ms)
         return _unpack(self._result)
 
-    def value(self):
+    def value(self) -> Any:
         """The value of a completed future without consuming it (also after get()), or its
         error raised."""
         self._h.value()  # raises FutureNotReadyError before completion
         return _unpack(self._result)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, Any]:
         yield from _await_ready(self).__await__()
         return self.get()
 
@@ -324,7 +392,9 @@ class ObjectFuture(_Waitable):
     def raw(self):
         raise TypeError("dtorch: an ObjectFuture holds a Python value, which TorchScript cannot "
                         "carry: it has no TorchScript object (then() makes a TensorFuture, which "
-                        "has one, when its callback is annotated to return a torch.Tensor)")
+                        "has one, when its callback returns a torch.Tensor)")
+
+    capsule = raw
 
     def __repr__(self) -> str:
         return f"dtorch_ops.ObjectFuture({self._state()})"

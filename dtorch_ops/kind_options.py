@@ -29,6 +29,9 @@ class KindOptions:
     spec: Callable[[str, dict], str]
     # Options that must be given -> what to pass (said when one is missing).
     needs: Mapping[str, str] = field(default_factory=dict)
+    # Options with a default found at call time -> what finds it (None: none found, so the
+    # option is needed after all).
+    defaults: Mapping[str, Callable[[], object]] = field(default_factory=dict)
     # Object-valued options -> what turns the object into its text (a TypeError if it cannot).
     objects: Mapping[str, Callable[[object], str]] = field(default_factory=dict)
     # The message for options the class does not take: a str.format of name, kind, allowed,
@@ -58,6 +61,11 @@ def _kind_spec(name: str, kind: str, options: dict) -> str:
             message = (f"dtorch_ops.{name}(kind={kind!r}) takes the options "
                        f"{', '.join(sorted(a + '=' for a in allowed))}; got {unknown}")
         raise TypeError(message)
+    for option, find_default in entry.defaults.items():
+        if option not in options and option in allowed:
+            default = find_default()
+            if default is not None:
+                options = {**options, option: default}
     for option, what in entry.needs.items():
         if option not in options:
             raise TypeError(f"dtorch_ops.{name}(kind={kind!r}) needs {option}=: {what}")
@@ -104,6 +112,30 @@ def _store_address(store) -> str:
         f"network kind needs a store that other hosts can reach")
 
 
+def _default_group_store():
+    """The store of torch.distributed's default process group, once init_process_group has run
+    (None before, or where torch has no distributed package)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    # torch names no public accessor of the default group's store; this one has the same name
+    # and meaning from torch 2.0 to 2.15 (a store of its own is always accepted as store=).
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    seen = store
+    while isinstance(seen, dist.PrefixStore):
+        seen = seen.underlying_store
+    if not isinstance(seen, dist.TCPStore):
+        raise TypeError(
+            f"dtorch: the default process group's store is a {type(seen).__name__}, which other "
+            f"hosts cannot reach; the network kind needs a TCPStore: pass store= (a "
+            f"torch.distributed.TCPStore, or \"host:port\" of one), or init the group with a "
+            f"tcp:// or env:// init_method")
+    return store
+
+
 def _network_spec(name: str, options: dict) -> str:
     """"network://host:port[?device=cpu]" from TensorPromise(kind="network", store=...,
     device="cpu") (store: its address by then)."""
@@ -130,7 +162,9 @@ KINDS: dict[str, KindOptions] = {
         takes={"TensorPromise": ("store", "device"), "VoidPromise": ("store",)},
         spec=_network_spec,
         needs={"store": "a torch.distributed.TCPStore (or a PrefixStore over one) or "
-                        "\"host:port\""},
+                        "\"host:port\"; after torch.distributed.init_process_group() the "
+                        "default group's store serves without store="},
+        defaults={"store": _default_group_store},
         objects={"store": _store_address}),
 }
 

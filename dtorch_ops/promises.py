@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import _C
-from ._script_objects import _handle_from_script, _script_name, _script_object_of
+from ._script_objects import _capsule_of, _handle_from_script, _script_name, _script_object_of
 from .compile import graph_ops as _graph_ops
 from .compile.eager import _PROMISE_FORMS, _InGraphEagerly
 from .compile.tracing import _check_local_tensor, _compiler, _is_dynamo_compiling, _tracing_here
 from .errors import FutureError, _exception_parts
 from .futures import TensorFuture, VoidFuture, _Waitable
 from .kind_options import _kind_spec, promise_kind_for
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any, Self
 
 _Tensor = torch.Tensor
 _new = object.__new__
@@ -63,7 +68,7 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
     _HANDLE = None
     _FUTURE = _Waitable
 
-    def __init__(self, kind: str = "memory", **options):
+    def __init__(self, kind: str | torch.ScriptObject = "memory", **options: Any) -> None:
         """kind: "memory" (the pair lives in this process), "file" (the promise can be sent to
         other processes of this host: pickle it, put it in a torch.multiprocessing queue, or
         pass serialize()'s string) or "network" (to processes of other hosts too, through a
@@ -101,7 +106,7 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
             self._raw = handle.script()
 
     @classmethod
-    def from_serialized(cls, s: str):
+    def from_serialized(cls, s: str) -> Self:
         """Rebuilds a promise that another process serialized (serialize(), or pickling).
 
         The string is checked (format, names, nonce) before anything is opened; a bad one raises
@@ -119,8 +124,11 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
 
     raw = property(_script_object_of, doc=(
         "The TorchScript object of the same state (for TorchScript and torch.ops calls)."))
+    capsule = property(_capsule_of, doc=(
+        "The C++ state, as TorchScript reads it: a scripted function or a torch.ops call that "
+        "takes a torch.classes.dtorch object accepts this promise itself (as it accepts .raw)."))
 
-    def get_future(self):
+    def get_future(self) -> _Waitable:
         """The consumer's end; a promise has exactly one future."""
         if ((_is_dynamo_compiling() or _compiler._is_compiling_flag)
                 and _promise_method_traced("get_future")):
@@ -129,7 +137,7 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
         future._h = self._h.get_future()
         return future
 
-    def set_exception(self, exception) -> None:
+    def set_exception(self, exception: BaseException | type[BaseException] | str) -> None:
         """Fails the future with `exception`, as torch.futures.Future.set_exception: in this
         process its get() / wait() / value() / await raise that very exception object; in
         another process (file, network) its type's name, message and traceback travel, and the
@@ -148,7 +156,7 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
             self._h.set_exception(str(exception))
 
     @contextlib.contextmanager
-    def fulfilling(self):
+    def fulfilling(self) -> Iterator[Self]:
         """``with promise.fulfilling(): ...``: if the block raises, the promise is failed with
         that exception (its traceback text travels with it to a consumer in another process) and
         the exception goes on. The worker's idiom::
@@ -203,8 +211,11 @@ class TensorPromise(_PromiseBase):
     _HANDLE = _C.TensorPromise
     _FUTURE = TensorFuture
 
+    if TYPE_CHECKING:
+        def get_future(self) -> TensorFuture: ...
+
     @classmethod
-    def for_tensor(cls, t: torch.Tensor, per_device_per_process: bool | None = None):
+    def for_tensor(cls, t: torch.Tensor, per_device_per_process: bool | None = None) -> Self:
         """A promise of the kind promise_kind_for(t) advises."""
         return cls(promise_kind_for(t, per_device_per_process))
 
@@ -227,6 +238,9 @@ class VoidPromise(_PromiseBase):
     __slots__ = ()
     _HANDLE = _C.VoidPromise
     _FUTURE = VoidFuture
+
+    if TYPE_CHECKING:
+        def get_future(self) -> VoidFuture: ...
 
     def set_value(self) -> None:
         """Signals completion. A second set raises."""

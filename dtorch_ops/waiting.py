@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,13 @@ from ._script_objects import _script_name
 from ._settle import _pending_object_future
 from .errors import FutureTimeoutError
 from .futures import ObjectFuture, _TorchFuture, _Waitable, _completion_queue, _describe_timeout
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+    from typing import Any, TypeVar
+
+    # A future of dtorch_ops, or a torch.futures.Future.
+    _F = TypeVar("_F", bound="_Waitable | torch.futures.Future[Any]")
 
 _new = object.__new__
 
@@ -38,7 +46,8 @@ def _future_list(futures, what: str) -> list:
     return futures
 
 
-def collect_all(futures, timeout=None, *, timeout_ms=None) -> ObjectFuture:
+def collect_all(futures: Iterable[_Waitable | torch.futures.Future[Any]],
+                timeout: float | None = None, *, timeout_ms: float | None = None) -> ObjectFuture:
     """An ObjectFuture yielding the list of `futures` once all have completed, as
     ``torch.futures.collect_all``; as there, it fails as soon as one of them fails, with that
     future's error. Takes dtorch_ops futures and ``torch.futures.Future`` objects; awaitable.
@@ -84,7 +93,8 @@ def _collect_all(futures: list, limit, timeout_text: str) -> ObjectFuture:
     return collected
 
 
-def wait_all(futures, timeout=None, *, timeout_ms=None) -> list:
+def wait_all(futures: Iterable[_Waitable | torch.futures.Future[Any]],
+             timeout: float | None = None, *, timeout_ms: float | None = None) -> list[Any]:
     """Waits for every future of `futures` and returns their values in order, as
     ``torch.futures.wait_all``: as soon as one fails, raises its error without waiting for the
     others. The futures are not consumed (``value()``). Blocks with the GIL released; in a
@@ -107,7 +117,8 @@ def wait_all(futures, timeout=None, *, timeout_ms=None) -> list:
     return [future.value() for future in futures]
 
 
-def wait_any(futures, timeout=None, *, timeout_ms=None) -> tuple[list, list]:
+def wait_any(futures: Iterable[_F], timeout: float | None = None, *,
+             timeout_ms: float | None = None) -> tuple[list[_F], list[_F]]:
     """Blocks until at least one of `futures` is complete, as ``concurrent.futures.wait(...,
     return_when=FIRST_COMPLETED)`` and ``ray.wait``: returns ``(done, pending)``, two lists in
     the order of `futures` (done: those complete when it returns, failed ones included). Past the
@@ -121,7 +132,8 @@ def wait_any(futures, timeout=None, *, timeout_ms=None) -> tuple[list, list]:
     return done, [f for f in futures if not f.done()]
 
 
-def as_completed(futures, timeout=None, *, timeout_ms=None):
+def as_completed(futures: Iterable[_F], timeout: float | None = None, *,
+                 timeout_ms: float | None = None) -> Iterator[_F]:
     """Yields `futures` as they complete (as ``concurrent.futures.as_completed``): those complete
     already first, then each as it completes; a future listed twice is yielded once. The timeout
     (seconds; or timeout_ms=) counts from this call: when it has passed with futures still

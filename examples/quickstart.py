@@ -38,7 +38,11 @@ def main() -> None:
     # A producer thread fulfils a promise; the consumer blocks without holding the GIL.
     promise = dtorch_ops.TensorPromise()
     future = promise.get_future()
-    threading.Thread(target=lambda: (time.sleep(0.01), promise.set_value(torch.ones(3)))).start()
+    def produce_later() -> None:
+        time.sleep(0.01)
+        promise.set_value(torch.ones(3))
+
+    threading.Thread(target=produce_later).start()
     print("value from another thread:", future.wait(10_000).tolist())
 
     # Errors reach the waiter.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing dtorch_ops needs, skipping what is already there:
 #   from Debian: g++, make, cmake, binutils, Boost >= 1.78 headers (robust interprocess mutexes);
-#   torch (2.13.0 unless a torch >= 2.11 is importable), ninja, pytest, pytest-timeout, and
-#   matplotlib (make bench's plot).
+#   torch (2.13.0 unless a torch >= 2.11 is importable), ninja, pytest, pytest-timeout,
+#   matplotlib (make bench's plot) and mypy (tests/test_typing.py).
 # PYTHON selects the interpreter (default: python3 on PATH).
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
@@ -55,7 +55,8 @@ fi
 missing=$("$PYTHON" - <<'PY'
 import importlib.util
 wanted = {"ninja": "ninja", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
-          "setuptools": "setuptools>=64", "wheel": "wheel", "matplotlib": "matplotlib"}
+          "setuptools": "setuptools>=64", "wheel": "wheel", "matplotlib": "matplotlib",
+          "mypy": "mypy"}
 print(" ".join(pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None))
 PY
 )

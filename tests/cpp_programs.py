@@ -22,20 +22,26 @@ def run_bounded(cmd, timeout, **kwargs):
         pytest.fail(f"ran past {timeout} s: {' '.join(map(str, cmd))}\n{e.stdout}\n{e.stderr}")
 
 
-class _Doubler(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fut = torch.ops.dtorch.get_tensor_async(x * 2)
-        return fut.wait(1000)
+def _load_example(name):
+    """examples/<name>.py as a module (examples/ is not a package): the tests use the examples'
+    own code, so what they check is what a user runs."""
+    import importlib.util
+
+    if f"dtorch_example_{name}" in sys.modules:
+        return sys.modules[f"dtorch_example_{name}"]
+    spec = importlib.util.spec_from_file_location(
+        f"dtorch_example_{name}", os.path.join(REPO, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (torch.jit.script reads the module's source through it)
+    spec.loader.exec_module(module)
+    return module
 
 
 def save_scripted_doubler(directory):
-    """A scripted module calling torch.ops.dtorch.get_tensor_async, saved for torch::jit::load."""
-    scripted = torch.jit.script(_Doubler())
-    x = torch.arange(4, dtype=torch.float32)
-    assert torch.equal(scripted(x), x * 2)
-    path = os.path.join(directory, "doubler.pt")
-    torch.jit.save(scripted, path)
-    return path
+    """The module examples/cpp expects (forward(x) = x * 2 through torch.ops.dtorch.
+    get_tensor_async), saved into `directory` by examples/torchscript_to_cpp.py's own function."""
+    example = _load_example("torchscript_to_cpp")
+    return example.save_scripted_doubler(os.path.join(directory, "doubler.pt"))
 
 
 def check_cpp_package_paths(paths):

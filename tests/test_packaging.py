@@ -75,6 +75,9 @@ def test_wheel_installs_the_package_and_its_cpp_package(installed_wheel):
     site = os.path.realpath(venv)
     for name in ("file", *_PATHS):
         assert os.path.realpath(paths[name]).startswith(site + os.sep), (name, paths)
+    # The typing (PEP 561): the marker and the binding's stub, next to the modules.
+    for name in ("py.typed", "_C.pyi"):
+        assert os.path.isfile(os.path.join(os.path.dirname(paths["file"]), name)), name
     check_cpp_package_paths(paths)
     with open(os.path.join(paths["cmake_prefix_path"], "dtorch_ops",
                            "dtorch_opsConfigVersion.cmake")) as f:

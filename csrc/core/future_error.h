@@ -116,7 +116,7 @@ class FutureError : public std::runtime_error {
 
 // The detail of kNotReady, for every kind.
 inline constexpr const char* kNotReadyDetail =
-    "value() reads a completed future; wait for it first (wait(), await, or a done callback), "
-    "or use get(), which blocks";
+    "value() (C++: Value()) reads a completed future; wait for it first (wait(), await, or a "
+    "done callback; C++: Wait(), IsReady()), or use get() (C++: Get()), which blocks";
 
 }  // namespace dtorch::core

@@ -90,7 +90,7 @@ class ReceivedFuture final : public FutureBackend<T> {
 
  private:
   static constexpr const char* kTakenDetail =
-      "get() was already called on this future; a future yields its value once";
+      "get() (C++: Get()) was already called on this future; a future yields its value once";
 
   // The source's WaitUntil, or true if another thread received the completion meanwhile (the
   // source then says it was taken).
@@ -146,7 +146,7 @@ std::unique_ptr<FutureBackend<T>> FutureOfPair(const std::shared_ptr<Consumer>& 
   }
   if (!consumer->RetrieveFuture()) {
     throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
-                      "get_future() was already called on this promise; it has one future");
+                      "get_future() (C++: GetFuture()) was already called on this promise; it has one future");
   }
   return std::make_unique<ReceivedFuture<T>>(consumer, std::move(codec));
 }

@@ -175,7 +175,7 @@ class SharedState {
   void ThrowIfRetrievedLocked() const {
     if (retrieved_) {
       throw FutureError(FutureErrc::kNoState,
-                        "get() was already called on this future; a future yields its value once");
+                        "get() (C++: Get()) was already called on this future; a future yields its value once");
     }
   }
 

@@ -51,7 +51,7 @@ void CheckTimeout(int64_t timeout_ms) {
 
 [[noreturn]] void ThrowConsumedCollect() {
   ThrowCoded(core::FutureError(core::FutureErrc::kNoState,
-                               "get() was already called on this VoidFutureCollect"));
+                               "get() (C++: Get()) was already called on this VoidFutureCollect"));
 }
 
 core::Deadline DeadlineIn(int64_t timeout_ms) {

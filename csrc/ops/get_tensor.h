@@ -8,6 +8,13 @@
 #include "futures.h"
 
 namespace dtorch::kernels {
+// The value a future of the ops yields for `input`: `input` itself, detached when it requires
+// grad, so that a future holds the tensor's memory but never its autograd graph, eagerly as in
+// a compiled graph (whose tensors are detached there already).
+inline at::Tensor DetachedValue(const at::Tensor& input) {
+  return input.requires_grad() ? input.detach() : input;
+}
+
 // CPU: the value is ready; fulfil now.
 void get_tensor_cpu(const at::Tensor& input, const c10::intrusive_ptr<TensorPromise>& promise);
 // Any device with c10::Event support (CUDA, XPU, PrivateUse1, ...): record an event on the

@@ -70,14 +70,14 @@ void get_tensor_device(const at::Tensor& input, const c10::intrusive_ptr<TensorP
   Producer::Claim(*promise, "get_tensor");
   try {
     // The callback owns the tensor until the event fired: its memory outlives the device work.
-    AfterCurrentStreamWork(input.device(),
-                           [input, promise](const std::optional<core::FutureError>& error) {
-                             if (error) {
-                               Producer::FailClaimed(*promise, error->code(), error->detail());
-                             } else {
-                               Producer::CompleteClaimed(*promise, input);
-                             }
-                           });
+    AfterCurrentStreamWork(input.device(), [value = DetachedValue(input), promise](
+                                               const std::optional<core::FutureError>& error) {
+      if (error) {
+        Producer::FailClaimed(*promise, error->code(), error->detail());
+      } else {
+        Producer::CompleteClaimed(*promise, value);
+      }
+    });
   } catch (...) {
     // Nothing will complete the claimed promise (no event, or no thread to watch it: a
     // std::system_error): fail it, so its waiter does not hang either.

@@ -309,6 +309,14 @@ py::object ToScript(const c10::intrusive_ptr<C>& handle) {
   return py::cast(torch::jit::Object(c10::IValue(handle).toObject()));
 }
 
+// The c10::Capsule holding `handle` (a torch.Capsule in Python): what TorchScript's argument
+// conversion reads from a Python object's `capsule` attribute where it expects a torch.classes
+// object that is not a torch.ScriptObject, so that the Python wrappers pass for their raw objects.
+template <typename C>
+py::object ToCapsule(const c10::intrusive_ptr<C>& handle) {
+  return py::cast(c10::Capsule(c10::intrusive_ptr<torch::CustomClassHolder>(handle)));
+}
+
 // The handle of a TorchScript object of class C; TypeError for anything else.
 template <typename C>
 c10::intrusive_ptr<C> FromScript(py::handle obj) {
@@ -610,6 +618,7 @@ void BindFuture(py::module_& m) {
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
       .def("notify_when_ready", &NotifyWhenReady<F>)
       .def("script", &ToScript<F>)
+      .def("capsule", &ToCapsule<F>)
       .def_static("from_script", &FromScript<F>);
 }
 
@@ -660,6 +669,7 @@ void BindPromise(py::module_& m) {
                                return P::FromSerialized(serialized);
                              })
                  .def("script", &ToScript<P>)
+                 .def("capsule", &ToCapsule<P>)
                  .def_static("from_script", &FromScript<P>);
   // The GIL is kept where nobody waits (a pair set and read on one thread): releasing it would
   // hand it to another Python thread for nothing (measured: futures resolved per second by 4
@@ -741,6 +751,7 @@ PYBIND11_MODULE(_C, m) {
       .def("devices", &VoidFutureCollect::Devices)
       .def("notify_when_ready", &NotifyWhenReady<VoidFutureCollect>)
       .def("script", &ToScript<VoidFutureCollect>)
+      .def("capsule", &ToCapsule<VoidFutureCollect>)
       .def_static("from_script", &FromScript<VoidFutureCollect>);
 
   // The ops, dispatched from C++. above_subclass: see AboveSubclassDispatch.
