@@ -123,7 +123,8 @@ def to_torch_async(t: torch.Tensor, device: str | torch.device | None = None) ->
 @overload
 def to_torch_async(t: _TensorList, device: str | torch.device) -> TensorListFuture: ...
 def to_torch_async(t, device=None):
-    """Returns at once a future that yields t (aliased, no copy) when the work producing it is
+    """Returns at once a future that yields t (aliased, no copy; detached where t requires
+    grad: the future holds t's memory, never its autograd graph) when the work producing it is
     done. On CPU the value is ready at once. Inside torch.compile: an ordered op of the graph.
 
     ``device="cpu"``: the host copy. The future yields a CPU copy of t, made by a non-blocking

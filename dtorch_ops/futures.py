@@ -435,7 +435,11 @@ _C.install_wait_methods(ObjectFuture, ObjectFuture._HANDLE, with_values=False)
 
 
 def _describe_timeout(timeout, timeout_ms) -> str:
-    return f"{timeout} s" if timeout is not None else f"{timeout_ms} ms"
+    """A wait's limit as every timeout error words it: in milliseconds, whichever unit the caller
+    wrote."""
+    if timeout is None:
+        return f"{timeout_ms} ms"
+    return f"{_C.timeout_ms_of('wait', timeout, None)} ms"
 
 
 # torch.futures.Future -> its _C.CompletionFanout (ours keep theirs in a slot); the lock makes

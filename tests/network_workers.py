@@ -245,3 +245,15 @@ def set_stamped(promises: list, pace_s: float) -> None:
     for promise in promises:
         time.sleep(pace_s)
         _promise(promise).set_value(torch.tensor([time.monotonic()], dtype=torch.float64))
+
+
+def default_group_store_host(port: int) -> None:
+    """Rank 0 of a 2-process default group whose store it hosts (init_method tcp://): joins the
+    group, waits at a barrier for rank 1 to have made its network pair, then dies (os._exit,
+    nothing cleaned up) and takes the store with it (test_user_edges)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    dist.barrier()
+    time.sleep(0.5)
+    os._exit(1)

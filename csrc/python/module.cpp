@@ -110,7 +110,7 @@ int64_t TimeoutSecondsAsMs(py::handle timeout, const char* method) {
 // result(), as concurrent.futures has it); None or neither: no limit.
 struct WaitTimeout {
   std::optional<int64_t> ms;
-  std::string shown;  // as the caller wrote it, with its unit (for the timeout error)
+  std::string shown;  // in milliseconds (for the timeout error)
 };
 
 WaitTimeout ParseWaitTimeout(const char* method, const py::args& args, const py::kwargs& kwargs,
@@ -141,11 +141,14 @@ WaitTimeout ParseWaitTimeout(const char* method, const py::args& args, const py:
     throw py::type_error(std::string("dtorch: ") + method + "() takes one timeout: timeout_ms= "
                          "(milliseconds) or timeout= (seconds), not both");
   }
+  // Shown in milliseconds whichever unit the caller wrote: every timeout error of the library
+  // (each kind's, each wait's) words its limit the same way.
   if (!timeout_ms.is_none()) {
     return {TimeoutMs(timeout_ms), py::str(timeout_ms).cast<std::string>() + " ms"};
   }
   if (!timeout.is_none()) {
-    return {TimeoutSecondsAsMs(timeout, method), py::str(timeout).cast<std::string>() + " s"};
+    const int64_t ms = TimeoutSecondsAsMs(timeout, method);
+    return {ms, std::to_string(ms) + " ms"};
   }
   return {};
 }

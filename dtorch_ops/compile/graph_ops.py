@@ -218,8 +218,11 @@ def _define(tensor_future_cls, list_future_cls, collect_cls, tensor_promise_cls,
     c_get_tensor = c_module.get_tensor
     c_sync_into = c_module.sync_into
 
+    # Detached here whether or not the input requires grad now: inside a compiled forward it does
+    # not, but the tensor a graph returns is the one autograd then gives a grad_fn, which the
+    # future must not hold (the eager rule, DetachedValue in csrc/ops/get_tensor.h).
     def to_torch_async(input):
-        return wrap_future(c_get_tensor_async(input))
+        return wrap_future(c_get_tensor_async(input.detach()))
 
     def to_host_async(input):
         return wrap_future(c_copy_to_host_async(input))
@@ -231,7 +234,7 @@ def _define(tensor_future_cls, list_future_cls, collect_cls, tensor_promise_cls,
         return wrap_collect(c_sync_async(devices))
 
     def get_tensor_opaque(input, promise):
-        c_get_tensor(input, promise._h)
+        c_get_tensor(input.detach(), promise._h)
 
     def sync_into_opaque(devices, promise):
         c_sync_into(devices, promise._h)

@@ -6,8 +6,9 @@
 // classes (torch.ops.dtorch.*, torch.classes.dtorch.*) that TorchScript modules using them need
 // at torch::jit::load. The library depends on libtorch only (no Python). See examples/cpp/.
 //
-// Values. GetTensorAsync(t) returns at once a future that yields t itself (no copy) once the work
-// queued so far on t's device's current stream has finished: at once on CPU; on a device, when an
+// Values. GetTensorAsync(t) returns at once a future that yields t itself (no copy; t.detach()
+// where t requires grad, so that a future never holds an autograd graph) once the work queued so
+// far on t's device's current stream has finished: at once on CPU; on a device, when an
 // event recorded on that stream has completed (a library thread watches it; other streams are not
 // waited for, and the device is not synchronised). A "file" promise carries a tensor to another
 // process of the same host (its consumer receives a copy in shared memory, or a device copy); a

@@ -105,7 +105,7 @@ std::shared_ptr<FileChannel> AttachFileProducer(const FileHandle& handle,
     if (!lock.try_lock_for(std::chrono::seconds(kLockTimeoutS))) {
       throw FutureError(FutureErrc::kSharedMemory,
                         "another process has held this promise's lock for " +
-                            std::to_string(kLockTimeoutS) + " s; it seems stuck");
+                            std::to_string(kLockTimeoutS * 1000) + " ms; it seems stuck");
     }
     const auto self = Self();
     const uint32_t count = std::min(block->producer_count.load(), kMaxProducers);
