@@ -41,12 +41,34 @@ def _script_object_of(handle_owner):
     return raw
 
 
-def _capsule_of(handle_owner):
-    """The `capsule` of a future or promise wrapper: where TorchScript expects a
+# What `capsule` gives, per wrapper class: see _passing_hint_of.
+_passing_hints: dict = {}
+
+
+def _passing_hint_of(handle_owner):
+    """The `capsule` of a future or promise wrapper. Where TorchScript expects a
     torch.classes.dtorch object (a scripted function's argument, a torch.ops call) and gets a
-    Python object, it builds the object from that object's `capsule` attribute; this one holds
-    the wrapper's own C++ state, so the wrapper passes as its raw object."""
-    return handle_owner._h.capsule()
+    Python object, it tries to build one from that object's `capsule` attribute, without checking
+    what the capsule holds against the class it expects: a capsule of this wrapper's state would
+    pass a VoidPromise where a TensorPromise is expected and corrupt memory. So the attribute is
+    an object whose class name is the hint in torch's cast error ("Unable to cast Python instance
+    of type <class 'dtorch_ops: pass promise.raw ...'>")."""
+    name = type(handle_owner).__name__
+    hint = _passing_hints.get(name)
+    if hint is None:
+        variable = "future" if "Future" in name else "promise"
+        hint = type("hint", (), {"__slots__": ()})
+        hint.__module__ = "dtorch_ops"
+        if name == "ObjectFuture":
+            hint.__qualname__ = (" an ObjectFuture holds a Python value, which TorchScript cannot "
+                                 "carry (then() gives a TensorFuture when its callback returns "
+                                 "a tensor)")
+        else:
+            hint.__qualname__ = (f" TorchScript takes the raw object: pass {variable}.raw (a "
+                                 f"torch.classes.dtorch.{name}), not the dtorch_ops.{name} "
+                                 f"wrapper")
+        hint = _passing_hints[name] = hint()
+    return hint
 
 
 def _patch_script_objects() -> None:

@@ -32,6 +32,7 @@ def _pending_object_future(future: ObjectFuture, timeout_ms=None, what="", adopt
     promise = _C.VoidPromise("memory")
     completion = future._h = promise.get_future()
     future._result = None
+    object_class = type(future)
     lock = threading.Lock()
     timer = None if timeout_ms is None else _C.fail_after(promise, timeout_ms, what)
 
@@ -39,21 +40,39 @@ def _pending_object_future(future: ObjectFuture, timeout_ms=None, what="", adopt
         with lock:  # (one settle at a time; the timeout's timer may complete it meanwhile)
             if completion.is_ready():
                 return  # (timed out, or settled already)
+            adopted = _adopted_handle(value) if adopt_tensor is not None and ok else None
             future._result = (ok, value)
-            if adopt_tensor is not None and ok and isinstance(value, _Tensor):
-                tensor_promise = _C.TensorPromise("memory")
-                handle = tensor_promise.get_future()
-                tensor_promise.set_value(value)
-                future._h = handle
+            if adopted is not None:
+                # The handle first: a method of the class it has until the next line takes
+                # either handle (WithHandleOf in csrc/python/module.cpp).
+                future._h = adopted
                 future.__class__ = adopt_tensor
             try:
                 promise.set_value()
-            except FutureError:
-                return  # (the timeout came first: the future raises it, not this result)
+            except FutureError:  # (the timeout came first: the future raises it, not this result)
+                if adopted is not None:
+                    future.__class__ = object_class
+                    future._h = completion
+                return
         if timer is not None:
             timer.cancel()  # (released now, not at its deadline)
 
     return settle
+
+
+def _adopted_handle(value):
+    """A complete TensorFuture handle of `value`, for a then() future adopting its tensor result;
+    None for what a memory TensorPromise does not take (not a tensor; a DTensor), which that
+    future keeps as an ObjectFuture's value."""
+    if not isinstance(value, _Tensor):
+        return None
+    promise = _C.TensorPromise("memory")
+    handle = promise.get_future()
+    try:
+        promise.set_value(value)
+    except Exception:  # noqa: BLE001 (refused: the value stays the ObjectFuture's)
+        return None
+    return handle
 
 
 def _promise_settler(promise, source: str):

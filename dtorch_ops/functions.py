@@ -115,7 +115,7 @@ def get_tensor(t: torch.Tensor, promise: TensorPromise | torch.ScriptObject) -> 
     else:
         handle = _promise_handle(promise)
         _check_refused(t, "get_tensor", handle)
-        _C.get_tensor(t, handle, _above_subclass(t, "get_tensor"))
+        _C.get_tensor(_detached(t), handle, _above_subclass(t, "get_tensor"))
 
 
 @overload
@@ -159,8 +159,15 @@ def to_torch_async(t, device=None):
                 "traced op would see the tensors it wraps, not the subclass; pass a plain tensor")
         # (Else another thread is compiling: this call is eager.)
     if type(t) is _Tensor:
-        return TensorFuture._wrap(_C.get_tensor_async(t))
-    return TensorFuture._wrap(_C.get_tensor_async(t, _above_subclass(t, "to_torch_async")))
+        return TensorFuture._wrap(_C.get_tensor_async(t))  # (detached by the library)
+    return TensorFuture._wrap(_C.get_tensor_async(_detached(t),
+                                                  _above_subclass(t, "to_torch_async")))
+
+
+def _detached(t):
+    """A tensor subclass detached in Python, which keeps its class (its __torch_function__ or
+    __torch_dispatch__ makes the detached one); the library detaches plain tensors itself."""
+    return t.detach() if isinstance(t, _Tensor) and t.requires_grad else t
 
 
 def _host_device_arg(device, what: str) -> None:

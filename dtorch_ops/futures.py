@@ -19,7 +19,7 @@ import torch
 from . import _C
 from ._script_objects import (
     _a,
-    _capsule_of,
+    _passing_hint_of,
     _handle_from_script,
     _script_name,
     _script_object_of,
@@ -112,9 +112,8 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
 
     raw = property(_script_object_of, doc=(
         "The TorchScript object of the same state (for TorchScript and torch.ops calls)."))
-    capsule = property(_capsule_of, doc=(
-        "The C++ state, as TorchScript reads it: a scripted function or a torch.ops call that "
-        "takes a torch.classes.dtorch object accepts this future itself (as it accepts .raw)."))
+    # Read by TorchScript where it expects a raw object: its error then says to pass .raw.
+    capsule = property(_passing_hint_of)
 
     # get(), wait(timeout_ms=None, *, timeout=None), result(timeout=None), value(), is_ready(),
     # done(), valid() and add_done_callback() are C++ methods installed by the binding
@@ -164,10 +163,12 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
         a wait's own error (Ctrl-C) is raised."""
         return self._h.is_ready() or _completion_queue([self]).pop(limit_ms) is not None
 
+    # A callback returning a tensor gives a TensorFuture once complete (at once where annotated),
+    # an ObjectFuture before: both, to a type checker.
     @overload
-    def then(self, callback: Callable[[Self], torch.Tensor]) -> TensorFuture: ...
+    def then(self, callback: Callable[[Self], torch.Tensor]) -> TensorFuture | ObjectFuture: ...
     @overload
-    def then(self, callback: Callable[[Self], object]) -> ObjectFuture: ...  # (a tensor: see below)
+    def then(self, callback: Callable[[Self], object]) -> ObjectFuture: ...
 
     def then(self, callback):
         """Returns a new future of ``callback(self)``'s result, called once this future is
@@ -363,7 +364,10 @@ class ObjectFuture(_Waitable):
     def get(self) -> Any:
         """Blocks until the value is ready and returns it (or raises the error); consumes the
         future. The GIL is released while waiting."""
-        self._h.get()  # waits; raises once consumed, or broken
+        handle = self._h
+        handle.get()  # waits; raises once consumed, or broken
+        if self._h is not handle:  # adopted a tensor meanwhile (then()): consumed as one
+            self._h.get()
         return _unpack(self._result)
 
     def wait(self, timeout_ms: float | None = None, *, timeout: float | None = None) -> Any:
@@ -393,8 +397,6 @@ class ObjectFuture(_Waitable):
         raise TypeError("dtorch: an ObjectFuture holds a Python value, which TorchScript cannot "
                         "carry: it has no TorchScript object (then() makes a TensorFuture, which "
                         "has one, when its callback returns a torch.Tensor)")
-
-    capsule = raw
 
     def __repr__(self) -> str:
         return f"dtorch_ops.ObjectFuture({self._state()})"

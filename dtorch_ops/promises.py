@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _C
-from ._script_objects import _capsule_of, _handle_from_script, _script_name, _script_object_of
+from ._script_objects import (
+    _handle_from_script,
+    _passing_hint_of,
+    _script_name,
+    _script_object_of,
+)
 from .compile import graph_ops as _graph_ops
 from .compile.eager import _PROMISE_FORMS, _InGraphEagerly
 from .compile.tracing import _check_local_tensor, _compiler, _is_dynamo_compiling, _tracing_here
@@ -124,9 +129,8 @@ class _PromiseBase(metaclass=_graph_ops.opaque_metaclass()):
 
     raw = property(_script_object_of, doc=(
         "The TorchScript object of the same state (for TorchScript and torch.ops calls)."))
-    capsule = property(_capsule_of, doc=(
-        "The C++ state, as TorchScript reads it: a scripted function or a torch.ops call that "
-        "takes a torch.classes.dtorch object accepts this promise itself (as it accepts .raw)."))
+    # Read by TorchScript where it expects a raw object: its error then says to pass .raw.
+    capsule = property(_passing_hint_of)
 
     def get_future(self) -> _Waitable:
         """The consumer's end; a promise has exactly one future."""

@@ -97,8 +97,8 @@ class SimulatedWorkload:
     simdev has only copies, fill_, add, mul and views, plus a `sleep(ms)` kernel: the model is one
     parameter `w` fit by SGD to the mean intensity of each batch, and a `kernel_ms` sleep queued
     before it stands for the forward and backward kernels of a real model. The host side makes and
-    augments the batch's images (real CPU work, on tensors small enough that torch runs them on one
-    thread). The batch's upload to the device waits for the work queued before it (simdev's
+    augments the batch's images (real CPU work, on tensors small enough that torch runs each op on
+    one thread: no OpenMP team to wait for when other processes keep a core busy). The batch's upload to the device waits for the work queued before it (simdev's
     copies from host memory are blocking), so the host runs at most one step ahead.
     """
 
@@ -111,13 +111,13 @@ class SimulatedWorkload:
 
     def prepare(self, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(step)
-        images = []
+        means = []
         for _ in range(self.samples):
             image = torch.rand(3, 32, 32, generator=g) * 2 + 2   # a decoded image, mean 3
             if torch.rand(1, generator=g).item() < 0.5:          # a random horizontal flip
                 image = image.flip(-1)
-            images.append(torch.nn.functional.avg_pool2d(image, 2))  # resized
-        return torch.stack(images).mean().reshape(1)
+            means.append(torch.nn.functional.avg_pool2d(image, 2).mean())  # resized; its mean
+        return torch.stack(means).mean().reshape(1)
 
     def step(self, batch: torch.Tensor) -> torch.Tensor:
         x = batch.to(self.device)                       # the upload
@@ -468,7 +468,8 @@ def demo_service(device: torch.device, n_requests: int, reps: int, concurrency: 
           "heartbeat task;")
     print("   threads: those the process added while serving)")
     print(f"  => dtorch_ops futures: {throughput['dtorch'] / throughput['asyncio']:.2f}x the plain "
-          "pattern's req/s; the worker needs no event loop nor waits for the device")
+          "pattern's req/s here; they buy a worker that needs no event loop and never waits for "
+          "the device")
 
 
 def main() -> None:

@@ -55,7 +55,7 @@ def main() -> None:
     futures: list[dtorch_ops.TensorFuture] = []
     for step in range(5):
         step_loss = torch.nn.functional.cross_entropy(model(x * (step + 1)), labels)
-        futures.append(dtorch_ops.to_torch_async(step_loss.detach(), device="cpu"))
+        futures.append(dtorch_ops.to_torch_async(step_loss, device="cpu"))
     logged = [t.item() for t in dtorch_ops.wait_all(futures, timeout=TIMEOUT_S)]
     expected = [torch.nn.functional.cross_entropy(model(x * (s + 1)), labels).item()
                 for s in range(5)]

@@ -63,8 +63,8 @@ def train_eager(device: torch.device) -> tuple[dict[int, float], list[torch.Tens
         loss.backward()
         opt.step()
         # Returns at once: a CPU copy of the loss, made without blocking (on a GPU, queued on the
-        # current stream). detach(): the future must not keep the autograd graph alive.
-        future = dtorch_ops.to_torch_async(loss.detach(), device="cpu")
+        # current stream); detached, so the future never keeps the autograd graph alive.
+        future = dtorch_ops.to_torch_async(loss, device="cpu")
         # then(): as add_done_callback, and a future that completes once the callback has run.
         logging.append(future.then(functools.partial(log_loss, step)))
         kept.append(loss.detach())
@@ -86,9 +86,9 @@ def train_compiled(
         pred = model(x)
         loss = torch.nn.functional.mse_loss(pred, y)
         # A metric that is not returned: it reaches us only through the promise.
-        dtorch_ops.get_tensor((pred - y).abs().mean().detach(), mae_promise)
+        dtorch_ops.get_tensor((pred - y).abs().mean(), mae_promise)  # (yielded detached)
         # A future made inside the graph, returned with the loss.
-        return loss, dtorch_ops.to_torch_async(loss.detach(), device="cpu")
+        return loss, dtorch_ops.to_torch_async(loss, device="cpu")
 
     logged_loss: dict[int, float] = {}
     logged_mae: dict[int, float] = {}

@@ -10,9 +10,13 @@
 namespace dtorch::kernels {
 // The value a future of the ops yields for `input`: `input` itself, detached when it requires
 // grad, so that a future holds the tensor's memory but never its autograd graph, eagerly as in
-// a compiled graph (whose tensors are detached there already).
+// a compiled graph (dtorch_ops/compile/graph_ops.py detaches there). A tensor subclass with
+// Python dispatch is left as it is: here, below its dispatch (AboveSubclassDispatch), detach()
+// would make a plain tensor of the wrapper's empty storage; dtorch_ops detaches it in Python
+// first (functions.py), which keeps the subclass.
 inline at::Tensor DetachedValue(const at::Tensor& input) {
-  return input.requires_grad() ? input.detach() : input;
+  if (!input.requires_grad() || input.unsafeGetTensorImpl()->is_python_dispatch()) return input;
+  return input.detach();
 }
 
 // CPU: the value is ready; fulfil now.

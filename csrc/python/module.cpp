@@ -312,14 +312,6 @@ py::object ToScript(const c10::intrusive_ptr<C>& handle) {
   return py::cast(torch::jit::Object(c10::IValue(handle).toObject()));
 }
 
-// The c10::Capsule holding `handle` (a torch.Capsule in Python): what TorchScript's argument
-// conversion reads from a Python object's `capsule` attribute where it expects a torch.classes
-// object that is not a torch.ScriptObject, so that the Python wrappers pass for their raw objects.
-template <typename C>
-py::object ToCapsule(const c10::intrusive_ptr<C>& handle) {
-  return py::cast(c10::Capsule(c10::intrusive_ptr<torch::CustomClassHolder>(handle)));
-}
-
 // The handle of a TorchScript object of class C; TypeError for anything else.
 template <typename C>
 c10::intrusive_ptr<C> FromScript(py::handle obj) {
@@ -409,6 +401,25 @@ c10::intrusive_ptr<W> HandleOf(py::handle wrapper) {
   return c10::intrusive_ptr<W>::reclaim_copy(&handle.cast<W&>());
 }
 
+// Calls fn with the wrapper's handle. An ObjectFuture's (W = VoidFuture) may be a TensorFuture's:
+// the future then() returns adopts its callback's tensor result (dtorch_ops/_settle.py), its
+// handle swapped just before its class, so a method of the class it had (or one bound before)
+// may meet the new handle; the methods that reach here need only what both have.
+template <typename W, typename Fn>
+auto WithHandleOf(py::handle wrapper, Fn&& fn) {
+  if constexpr (std::is_same_v<W, VoidFuture>) {
+    static PyObject* const name = PyUnicode_InternFromString("_h");
+    const auto handle = py::reinterpret_steal<py::object>(PyObject_GetAttr(wrapper.ptr(), name));
+    if (!handle) throw py::error_already_set();
+    if (py::isinstance<TensorFuture>(handle)) {
+      return fn(c10::intrusive_ptr<TensorFuture>::reclaim_copy(&handle.cast<TensorFuture&>()));
+    }
+    return fn(c10::intrusive_ptr<VoidFuture>::reclaim_copy(&handle.cast<VoidFuture&>()));
+  } else {
+    return fn(HandleOf<W>(wrapper));
+  }
+}
+
 // Runs a method's body for CPython (a method descriptor below): its result, or nullptr with the
 // Python error set, translated as the rest of this module's errors are (ours by code, torch's
 // c10 errors as torch does).
@@ -480,16 +491,19 @@ struct WrapperMethods {
     return Guarded([&] { return body(py::handle(args[0])); });
   }
   static PyObject* IsReady(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kw) {
-    return NoArguments("is_ready", args, nargs, kw,
-                       [](py::handle self) { return py::bool_(HandleOf<W>(self)->IsReady()); });
+    return NoArguments("is_ready", args, nargs, kw, [](py::handle self) {
+      return py::bool_(WithHandleOf<W>(self, [](const auto& h) { return h->IsReady(); }));
+    });
   }
   static PyObject* Done(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kw) {
-    return NoArguments("done", args, nargs, kw,
-                       [](py::handle self) { return py::bool_(HandleOf<W>(self)->IsReady()); });
+    return NoArguments("done", args, nargs, kw, [](py::handle self) {
+      return py::bool_(WithHandleOf<W>(self, [](const auto& h) { return h->IsReady(); }));
+    });
   }
   static PyObject* Valid(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kw) {
-    return NoArguments("valid", args, nargs, kw,
-                       [](py::handle self) { return py::bool_(HandleOf<W>(self)->Valid()); });
+    return NoArguments("valid", args, nargs, kw, [](py::handle self) {
+      return py::bool_(WithHandleOf<W>(self, [](const auto& h) { return h->Valid(); }));
+    });
   }
   static PyObject* Value(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kw) {
     return NoArguments("value", args, nargs, kw,
@@ -509,9 +523,10 @@ struct WrapperMethods {
     }
     return Guarded([&] {
       const py::handle self(args[0]);
-      const auto handle = HandleOf<W>(self);
-      python::AddDoneCallback(
-          [&](std::function<void()> fire) { handle->OnReady(std::move(fire)); }, args[1], self);
+      WithHandleOf<W>(self, [&](const auto& handle) {
+        python::AddDoneCallback(
+            [&](std::function<void()> fire) { handle->OnReady(std::move(fire)); }, args[1], self);
+      });
       return py::object(py::none());
     });
   }
@@ -621,7 +636,6 @@ void BindFuture(py::module_& m) {
       .def("kind", [](const c10::intrusive_ptr<F>& self) { return self->Kind(); })
       .def("notify_when_ready", &NotifyWhenReady<F>)
       .def("script", &ToScript<F>)
-      .def("capsule", &ToCapsule<F>)
       .def_static("from_script", &FromScript<F>);
 }
 
@@ -672,7 +686,6 @@ void BindPromise(py::module_& m) {
                                return P::FromSerialized(serialized);
                              })
                  .def("script", &ToScript<P>)
-                 .def("capsule", &ToCapsule<P>)
                  .def_static("from_script", &FromScript<P>);
   // The GIL is kept where nobody waits (a pair set and read on one thread): releasing it would
   // hand it to another Python thread for nothing (measured: futures resolved per second by 4
@@ -754,7 +767,6 @@ PYBIND11_MODULE(_C, m) {
       .def("devices", &VoidFutureCollect::Devices)
       .def("notify_when_ready", &NotifyWhenReady<VoidFutureCollect>)
       .def("script", &ToScript<VoidFutureCollect>)
-      .def("capsule", &ToCapsule<VoidFutureCollect>)
       .def_static("from_script", &FromScript<VoidFutureCollect>);
 
   // The ops, dispatched from C++. above_subclass: see AboveSubclassDispatch.

@@ -7,7 +7,7 @@
 // at torch::jit::load. The library depends on libtorch only (no Python). See examples/cpp/.
 //
 // Values. GetTensorAsync(t) returns at once a future that yields t itself (no copy; t.detach()
-// where t requires grad, so that a future never holds an autograd graph) once the work queued so
+// where t requires grad, so that the future never holds t's autograd graph) once the work queued so
 // far on t's device's current stream has finished: at once on CPU; on a device, when an
 // event recorded on that stream has completed (a library thread watches it; other streams are not
 // waited for, and the device is not synchronised). A "file" promise carries a tensor to another
