@@ -1,25 +1,25 @@
 """dtorch_ops demo: what asynchronous tensor values buy a training loop and an asyncio service.
 
 1. Training loop: log the loss of every step through a future
-   (`dtorch_ops.to_torch_async(loss, device="cpu")` and a done-callback that logs the value)
-   instead of `loss.item()`, which makes the Python thread wait for the device every step.
-   - On a GPU, the loop trains an MLP on CUDA: `.item()` stalls on the device each step, the
-     futures loop does not.
-   - Without a GPU it trains the MLP on the CPU, where no gain is expected (CPU ops are
-     synchronous: the loss exists when the op returns, so `.item()` never waits); it measures
-     that the futures cost nothing there (interleaved repetitions, median). It then trains on the
-     test suite's simulated device (tests/simdev, a C++ extension compiled on first use): each
-     step prepares the next batch on the host and queues kernels that take real time on a
-     stream; the futures loop overlaps the two, `.item()` serializes them. (Skipped where a GPU
-     is present: a registered simulated device would become torch's accelerator in CUDA's place.)
-   Each prints the loop time per step, the time until every loss is logged, and checks that both
-   loops logged the same losses.
-2. asyncio service: request handlers await tensors that one batching inference worker thread
-   produces, through a plain `asyncio.Future` completed with `loop.call_soon_threadsafe` (the
-   standard pattern) and through dtorch_ops futures; it prints throughput, latency, the longest
-   gap of a 2 ms heartbeat and the threads added, for both.
+   (`dtorch_ops.to_torch_async(loss, device="cpu")`, whose done-callback logs the value) instead of
+   `loss.item()`, which makes the Python thread wait for the device every step. Both loops run
+   interleaved, several times; the demo prints the medians of the loop time per step and of the
+   time until every loss is logged, and checks that both loops logged the same losses.
+   - With a GPU: an MLP trained on CUDA, where `.item()` stalls and the futures do not.
+   - Without one: (1a) the MLP on the CPU, where no gain is expected (CPU ops are synchronous:
+     the loss exists when its op returns, so `.item()` never waits), to show that the futures
+     cost nothing there (the ratio of the loop times); then (1b) a training loop on the test
+     suite's simulated device (tests/simdev, compiled on first use), whose kernels take real
+     time on a stream: each step makes the next batch on the host, then queues device work; the
+     futures loop overlaps the two, `.item()` serializes them. (Skipped where a GPU is present:
+     registered, the simulated device would become torch's accelerator in CUDA's place.)
+2. asyncio service: request handlers await the rows that one batching inference worker thread
+   computes, through a plain `asyncio.Future` completed by `loop.call_soon_threadsafe` (the
+   standard pattern), then through dtorch_ops futures (the worker fulfils a promise per request
+   from the done-callback of the batch's host copy); for both it prints the throughput, the
+   latency, the longest pause of a 2 ms heartbeat task and the threads added while serving.
 
-`--short` makes a quick run (the test). Every wait is bounded.
+`--short` makes a quick run (the test's). Every wait is bounded.
 """
 import argparse
 import asyncio
@@ -98,8 +98,9 @@ class SimulatedWorkload:
     parameter `w` fit by SGD to the mean intensity of each batch, and a `kernel_ms` sleep queued
     before it stands for the forward and backward kernels of a real model. The host side makes and
     augments the batch's images (real CPU work, on tensors small enough that torch runs each op on
-    one thread: no OpenMP team to wait for when other processes keep a core busy). The batch's upload to the device waits for the work queued before it (simdev's
-    copies from host memory are blocking), so the host runs at most one step ahead.
+    one thread: no OpenMP team to wait for when other processes keep a core busy). The batch's
+    upload waits for the work queued before it (simdev's copies from host memory are blocking),
+    so the host runs at most one step ahead of the device.
     """
 
     def __init__(self, device: torch.device, kernel_ms: int, samples: int) -> None:
@@ -154,7 +155,7 @@ class LossLog:
 
 @dataclass
 class TrainRun:
-    loop_s: float       # the training loop (all steps queued / run)
+    loop_s: float        # the training loop (every step queued, or run)
     end_to_end_s: float  # until every step's loss is logged
     losses: list[float]
 
@@ -222,30 +223,39 @@ def print_runs(runs: dict[str, list[TrainRun]], steps: int,
     reference = runs["item"][0].losses
     identical = all(r.losses == reference for mode in MODES for r in runs[mode])
     print(f"  logged losses identical in both loops: {identical} "
-          f"(first {reference[0]:.5f}, last {reference[-1]:.5f})")
+          f"(first {reference[0]:.4g}, last {reference[-1]:.4g})")
     if not identical:
         raise fail("the futures logged different losses than .item()")
     return (medians["future"][0] / medians["item"][0], medians["future"][1] / medians["item"][1])
 
 
+def faster(ratio: float) -> str:
+    """A time ratio (futures over .item()) as "N.NNx faster" or "N.NNx slower"."""
+    return f"{1 / ratio:.2f}x faster" if ratio <= 1 else f"{ratio:.2f}x slower"
+
+
+def runs_of(reps: int) -> str:
+    """How a part's figures were taken, for its header."""
+    return "one run each" if reps == 1 else f"medians of {reps} interleaved runs each"
+
+
 def demo_training_cpu(steps: int, reps: int) -> None:
-    print(f"\n== 1a. Training loop on cpu: an MLP, {steps} steps; medians of {reps} interleaved "
-          "runs ==")
+    print(f"\n== 1a. Training loop on cpu: an MLP, {steps} steps; {runs_of(reps)} ==")
     runs = compare(lambda: MLPWorkload(torch.device("cpu"), batch=64, width=512), steps, reps)
     print_runs(runs, steps)
     pairs = [f.loop_s / i.loop_s for f, i in zip(runs["future"], runs["item"])]
-    print(f"  futures / .item() loop time: {statistics.median(pairs):.3f}x (median of the pairs: "
-          f"{' '.join(f'{p:.2f}' for p in pairs)})")
+    quartiles = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
+    print(f"  futures / .item() loop time: {statistics.median(pairs):.3f}x (median of {len(pairs)} "
+          f"interleaved pairs; middle half {quartiles[0]:.2f}-{quartiles[2]:.2f})")
     print("  => no gain expected on cpu: CPU ops are synchronous, so .item() never stalls there")
 
 
 def demo_training_device(device: torch.device, steps: int, reps: int) -> None:
-    print(f"\n== 1. Training loop on {device}: an MLP, {steps} steps; medians of {reps} "
-          "interleaved runs ==")
+    print(f"\n== 1. Training loop on {device}: an MLP, {steps} steps; {runs_of(reps)} ==")
     runs = compare(lambda: MLPWorkload(device, batch=1024, width=4096), steps, reps)
     ratio_loop, ratio_end = print_runs(runs, steps)
-    print(f"  => futures: {1 / ratio_loop:.2f}x faster per step, {1 / ratio_end:.2f}x faster until "
-          "every loss is logged")
+    print(f"  => futures: {faster(ratio_loop)} per step, {faster(ratio_end)} until every loss is "
+          "logged")
 
 
 def load_simulated_device() -> None:
@@ -254,7 +264,7 @@ def load_simulated_device() -> None:
     # tests/simdev is the test suite's simulated asynchronous device ("simdev"): a C++ extension
     # (tests/simdev/simdev.cpp) that torch.utils.cpp_extension compiles on first use, into
     # tests/simdev/build, then loads. Not part of the dtorch_ops package.
-    sys.path.insert(0, os.path.join(REPO, "tests"))
+    sys.path.append(os.path.join(REPO, "tests"))
     import simdev  # type: ignore[import-not-found]
 
     library = os.path.join(REPO, "tests", "simdev", "build", "simdev.so")
@@ -264,7 +274,7 @@ def load_simulated_device() -> None:
 
     before = stamp()
     if not before:
-        print("  compiling it (tests/simdev, first use: about 20 s) ...", flush=True)
+        print("  compiling the simulated device (tests/simdev; first use: 10-20 s) ...", flush=True)
     start = time.perf_counter()
     simdev.load()
     took = time.perf_counter() - start
@@ -285,28 +295,25 @@ def demo_training_simdev(steps: int, reps: int, kernel_ms: int = 4, samples: int
         host.append(time.perf_counter() - start)
     print(f"  each step: {statistics.median(host) * 1e3:.1f} ms of host work (making the next "
           f"batch), then {kernel_ms} ms of device kernels")
-    print(f"  {steps} steps; medians of {reps} interleaved runs")
+    print(f"  {steps} steps; {runs_of(reps)}")
     ratio_loop, ratio_end = print_runs(compare(make, steps, reps), steps,
                                        item_label="loss.cpu().item() every step")
-    print("  (simdev has no .item() kernel: loss.cpu() is the blocking copy .item() makes on a GPU)")
-    print(f"  => futures: {1 / ratio_loop:.2f}x faster per step, {1 / ratio_end:.2f}x faster until "
-          "every loss is logged: host work overlaps the device's")
+    print("  (simdev has no .item() kernel: loss.cpu() is the blocking copy .item() makes on a "
+          "GPU)")
+    print(f"  => futures: {faster(ratio_loop)} per step, {faster(ratio_end)} until every loss is "
+          "logged (host and device overlap)")
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. asyncio service
 # ---------------------------------------------------------------------------------------------
 
-# A request's reply: called by the worker with the batch's output on the device and the row.
-Reply = Callable[[torch.Tensor, int], None]
-
-
 class InferenceWorker:
     """A worker thread that batches requests and answers each with its row of the model's output.
 
-    `reply` answers a batch: "asyncio" completes each handler's asyncio.Future through
-    loop.call_soon_threadsafe once the output is on the host (waiting for the device there);
-    "dtorch" starts the host copy with to_torch_async and fulfils each request's promise from its
+    `mode` picks how: "asyncio" completes each handler's asyncio.Future through the loop's
+    call_soon_threadsafe once the output is on the host (waiting for the device there); "dtorch"
+    starts the host copy with to_torch_async and fulfils each request's promise from its
     done-callback, without waiting and without knowing the event loop."""
 
     def __init__(self, device: torch.device, mode: str, max_batch: int = 32) -> None:
@@ -413,25 +420,26 @@ async def serve(worker: InferenceWorker, n_requests: int, concurrency: int) -> S
             peak_threads = max(peak_threads, os_threads())
             await asyncio.sleep(0.002)
 
-    sem = asyncio.Semaphore(concurrency)
-
-    async def handle(i: int) -> float:
-        async with sem:
+    async def client(first: int) -> list[float]:
+        """One of `concurrency` clients, each sending its share of the requests in turn."""
+        answers = []
+        for i in range(first, n_requests, concurrency):
             x = torch.full((256,), i / n_requests)
             start = time.perf_counter()
             y = await worker.infer(x)
             latencies.append(time.perf_counter() - start)
-            return float(y)
+            answers.append(float(y))
+        return answers
 
     beat = asyncio.create_task(heartbeat())
     await asyncio.sleep(0)
     start = time.perf_counter()
     results = await asyncio.wait_for(
-        asyncio.gather(*(handle(i) for i in range(n_requests))), WAIT_S)
+        asyncio.gather(*(client(k) for k in range(concurrency))), WAIT_S)
     seconds = time.perf_counter() - start
     beat.cancel()
     gaps = [b - a for a, b in zip(beats, beats[1:])]
-    return ServeRun(len(results), seconds, latencies, max(gaps, default=0.0),
+    return ServeRun(sum(map(len, results)), seconds, latencies, max(gaps, default=0.0),
                     peak_threads - threads_before)
 
 
@@ -439,8 +447,9 @@ SERVICE_MODES = {"asyncio": "asyncio.Future + call_soon_threadsafe", "dtorch": "
 
 
 def demo_service(device: torch.device, n_requests: int, reps: int, concurrency: int = 64) -> None:
-    print(f"\n== 2. asyncio service on {device}: {n_requests} requests, {concurrency} in flight, "
-          "one batching worker thread ==")
+    print(f"\n== 2. asyncio service on {device}: handlers await rows a batching worker thread "
+          "computes ==")
+    print(f"  {n_requests} requests, {concurrency} in flight; {runs_of(reps)}")
     runs: dict[str, list[ServeRun]] = {mode: [] for mode in SERVICE_MODES}
     for rep in range(reps + 1):  # a first, short round warms up
         order = list(SERVICE_MODES) if rep % 2 else list(reversed(SERVICE_MODES))
@@ -464,12 +473,10 @@ def demo_service(device: torch.device, n_requests: int, reps: int, concurrency: 
         p99 = lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)]
         print(f"  {label:38}{throughput[mode]:8,.0f}{statistics.median(lat):8.2f}{p99:8.2f}"
               f"{max(r.max_gap_s for r in rs) * 1e3:12.2f}{max(r.threads_added for r in rs):9d}")
-    print(f"  (req/s: median of {reps} interleaved runs; max gap: the longest pause of a 2 ms "
-          "heartbeat task;")
-    print("   threads: those the process added while serving)")
+    print("  (max gap: the longest pause of a 2 ms heartbeat task; threads: those the process "
+          "added)")
     print(f"  => dtorch_ops futures: {throughput['dtorch'] / throughput['asyncio']:.2f}x the plain "
-          "pattern's req/s here; they buy a worker that needs no event loop and never waits for "
-          "the device")
+          "pattern's req/s; their worker needs no event loop, never waits for the device")
 
 
 def main() -> None:
@@ -483,8 +490,8 @@ def main() -> None:
     print(f"dtorch_ops demo: torch {torch.__version__}, main device {device}, "
           f"{os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads")
     if device.type == "cpu":
-        demo_training_cpu(steps=50 if args.short else 200, reps=3 if args.short else 9)
-        demo_training_simdev(steps=30 if args.short else 100, reps=1 if args.short else 3)
+        demo_training_cpu(steps=50 if args.short else 100, reps=3 if args.short else 15)
+        demo_training_simdev(steps=20 if args.short else 100, reps=3)
     else:
         demo_training_device(device, steps=50 if args.short else 200, reps=1 if args.short else 3)
         print("  (the simulated device is skipped where a GPU is present: registered, it would "
