@@ -25,4 +25,5 @@ bench: build
 	$(PYTHON) benchmarks/run_all.py
 
 clean:
-	rm -rf build dtorch_ops/*.so dtorch_ops/include dtorch_ops/share *.egg-info .pytest_cache
+	rm -rf build dtorch_ops/*.so dtorch_ops/include dtorch_ops/share *.egg-info .pytest_cache \
+	  tests/simdev/build

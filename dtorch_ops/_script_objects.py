@@ -53,7 +53,9 @@ def _passing_hint_of(handle_owner):
     pass a VoidPromise where a TensorPromise is expected and corrupt memory. So the attribute is
     an object whose class name is the hint in torch's cast error ("Unable to cast Python instance
     of type <class 'dtorch_ops: pass promise.raw ...'>")."""
-    name = type(handle_owner).__name__
+    # The library's own class (a user's subclass of it says the same).
+    name = next(c.__name__ for c in type(handle_owner).__mro__
+                if c.__module__.startswith("dtorch_ops"))
     hint = _passing_hints.get(name)
     if hint is None:
         variable = "future" if "Future" in name else "promise"
@@ -64,9 +66,10 @@ def _passing_hint_of(handle_owner):
                                  "carry (then() gives a TensorFuture when its callback returns "
                                  "a tensor)")
         else:
-            hint.__qualname__ = (f" TorchScript takes the raw object: pass {variable}.raw (a "
-                                 f"torch.classes.dtorch.{name}), not the dtorch_ops.{name} "
-                                 f"wrapper")
+            hint.__qualname__ = (f" a dtorch_ops wrapper is not a TorchScript object: pass the "
+                                 f".raw of the promise or future expected here (this "
+                                 f"dtorch_ops.{name}'s {variable}.raw is a "
+                                 f"torch.classes.dtorch.{name})")
         hint = _passing_hints[name] = hint()
     return hint
 

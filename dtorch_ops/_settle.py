@@ -29,10 +29,12 @@ def _pending_object_future(future: ObjectFuture, timeout_ms=None, what="", adopt
     timeout_ms, it fails with FutureTimeoutError if not settled by then (what: the message).
     adopt_tensor (the TensorFuture class): a tensor value makes `future` a TensorFuture of it
     (its class and handle changed before it completes, so that whoever it wakes sees that)."""
+    # (Adoption is then()'s, which sets no timeout: a timer could complete the future between
+    # the adoption and the completion below, leaving a timed-out future that reads as a value.)
+    assert adopt_tensor is None or timeout_ms is None
     promise = _C.VoidPromise("memory")
     completion = future._h = promise.get_future()
     future._result = None
-    object_class = type(future)
     lock = threading.Lock()
     timer = None if timeout_ms is None else _C.fail_after(promise, timeout_ms, what)
 
@@ -49,11 +51,8 @@ def _pending_object_future(future: ObjectFuture, timeout_ms=None, what="", adopt
                 future.__class__ = adopt_tensor
             try:
                 promise.set_value()
-            except FutureError:  # (the timeout came first: the future raises it, not this result)
-                if adopted is not None:
-                    future.__class__ = object_class
-                    future._h = completion
-                return
+            except FutureError:
+                return  # (the timeout came first: the future raises it, not this result)
         if timer is not None:
             timer.cancel()  # (released now, not at its deadline)
 

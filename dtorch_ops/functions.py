@@ -115,7 +115,8 @@ def get_tensor(t: torch.Tensor, promise: TensorPromise | torch.ScriptObject) -> 
     else:
         handle = _promise_handle(promise)
         _check_refused(t, "get_tensor", handle)
-        _C.get_tensor(_detached(t), handle, _above_subclass(t, "get_tensor"))
+        above = _above_subclass(t, "get_tensor")  # (checks t first)
+        _C.get_tensor(_detached(t), handle, above)
 
 
 @overload
@@ -160,8 +161,8 @@ def to_torch_async(t, device=None):
         # (Else another thread is compiling: this call is eager.)
     if type(t) is _Tensor:
         return TensorFuture._wrap(_C.get_tensor_async(t))  # (detached by the library)
-    return TensorFuture._wrap(_C.get_tensor_async(_detached(t),
-                                                  _above_subclass(t, "to_torch_async")))
+    above = _above_subclass(t, "to_torch_async")  # (checks t first)
+    return TensorFuture._wrap(_C.get_tensor_async(_detached(t), above))
 
 
 def _detached(t):

@@ -175,7 +175,8 @@ class _Waitable(metaclass=_graph_ops.opaque_metaclass()):
         complete (as ``torch.futures.Future.then``); the callback reads this future's value with
         ``value()``, which raises its error, if any.
 
-        The new future is a ``TensorFuture`` whenever the callback returns a tensor: at once
+        The new future is a ``TensorFuture`` whenever the callback returns a tensor (one a
+        memory promise takes; a DTensor stays an ``ObjectFuture``'s value): at once
         when the callback is annotated to return one (``def f(fut) -> torch.Tensor``; its
         ``.raw`` then exists before the callback has run), else it is an ``ObjectFuture`` until
         the callback has returned and then adopts its result's type (``isinstance(f,

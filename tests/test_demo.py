@@ -15,8 +15,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_demo_short():
     # The demo compiles the simulated device on first use (tests/simdev/build), which the suite's
     # device tests share; the short run itself takes well under a minute.
-    proc = subprocess.run([sys.executable, "examples/demo.py", "--short"], cwd=REPO,
-                          capture_output=True, text=True, timeout=540)
+    try:
+        proc = subprocess.run([sys.executable, "examples/demo.py", "--short"], cwd=REPO,
+                              capture_output=True, text=True, timeout=540)
+    except subprocess.TimeoutExpired as e:  # (what it printed says where it stood)
+        pytest.fail(f"the demo did not end within 540 s:\n{e.stdout or ''}{e.stderr or ''}")
     out = proc.stdout
     print(out)
     assert proc.returncode == 0, out + proc.stderr
@@ -30,6 +33,8 @@ def test_demo_short():
         assert "logged losses identical in both loops: True" in cpu
         assert "no gain expected on cpu: CPU ops are synchronous" in cpu
         assert re.search(r"futures / \.item\(\) loop time: \d+\.\d+x", cpu)
+        assert re.search(r"logging one loss costs \d+\.\d+ us with a future, \d+\.\d+ us with "
+                         r"\.item\(\): \d+\.\d+x a \d+\.\d+ ms step\n  \(target <= 1\.05x: ", cpu), cpu
         # The simulated device: both loops ran there and logged identical losses.
         sim = out[out.index("== 1b. Training loop on the simulated device"):out.index("== 2.")]
         assert "kernels that take real time on a stream" in sim

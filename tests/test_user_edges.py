@@ -134,14 +134,22 @@ def test_scripted_functions_and_raw_ops_say_to_pass_raw_for_a_wrapper():
     error saying to pass .raw; .raw passes."""
     promise = dtorch_ops.TensorPromise()
     future = promise.get_future()
-    with pytest.raises(RuntimeError, match=r"pass promise\.raw \(a torch\.classes\.dtorch\."
-                                           r"TensorPromise\), not the dtorch_ops\.TensorPromise"):
+    hint = r"a dtorch_ops wrapper is not a TorchScript object: pass the \.raw of the promise or "
+    with pytest.raises(RuntimeError, match=hint + r"future expected here \(this dtorch_ops\."
+                                           r"TensorPromise's promise\.raw is a "
+                                           r"torch\.classes\.dtorch\.TensorPromise\)"):
         _fill(promise, torch.arange(2.0))
-    with pytest.raises(RuntimeError, match=r"pass future\.raw"):
+    with pytest.raises(RuntimeError, match=hint + r".*future\.raw is a torch\.classes\.dtorch\."
+                                           r"TensorFuture"):
         _wait(future)
-    with pytest.raises(RuntimeError, match=r"pass promise\.raw \(a torch\.classes\.dtorch\."
-                                           r"VoidPromise\)"):
+    with pytest.raises(RuntimeError, match=hint + r".*VoidPromise's promise\.raw"):
         torch.ops.dtorch.get_tensor(torch.ones(1), dtorch_ops.VoidPromise())
+
+    class MyPromise(dtorch_ops.TensorPromise):  # a user's subclass names the library's class
+        pass
+
+    with pytest.raises(RuntimeError, match=r"this dtorch_ops\.TensorPromise's promise\.raw"):
+        _fill(MyPromise(), torch.ones(1))
     _fill(promise.raw, torch.arange(2.0))
     assert torch.equal(_wait(future.raw), torch.arange(2.0))
     assert torch.equal(future.get(), torch.arange(2.0))
@@ -391,12 +399,25 @@ def test_a_tensor_subclass_that_requires_grad_is_yielded_detached_as_itself():
 def test_then_adoption_seen_by_methods_bound_before_and_by_a_blocked_get():
     import threading
 
+    import sys
+    import time
+
     promise = dtorch_ops.TensorPromise()
     derived = promise.get_future().then(lambda f: f.value() + 1)
     is_ready, valid, add_done_callback = derived.is_ready, derived.valid, derived.add_done_callback
     got = []
     getter = threading.Thread(target=lambda: got.append(derived.get()))
     getter.start()
+    # Until the getter is blocked in ObjectFuture.get (on the completion handle, pre-adoption).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(getter.ident)
+        if frame is not None and frame.f_code is dtorch_ops.ObjectFuture.get.__code__:
+            break
+        time.sleep(0.001)
+    else:
+        pytest.fail("the getter never blocked in ObjectFuture.get")
+    time.sleep(0.05)  # (inside its handle's get(), the GIL released)
     promise.set_value(torch.zeros(1))
     getter.join(10)
     assert got and torch.equal(got[0], torch.ones(1))

@@ -6,6 +6,7 @@ and renames PrivateUse1 to "simdev". Not part of the dtorch_ops package.
 import atexit
 import contextlib
 import os
+import time
 import types
 
 import torch
@@ -13,6 +14,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 _loaded = False
+STALE_LOCK_S = 300
 
 
 def load() -> None:
@@ -23,6 +25,14 @@ def load() -> None:
 
     build_dir = os.path.join(HERE, "build")
     os.makedirs(build_dir, exist_ok=True)
+    # torch's build lock (a file it waits on without a limit): one left by a build that was killed
+    # would block every later load. A build takes well under a minute here.
+    lock = os.path.join(build_dir, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+            os.unlink(lock)
+    except FileNotFoundError:
+        pass
     import dtorch_ops  # simdev registers a blocking wait with the library, which must be loaded
 
     library_dir = os.path.dirname(dtorch_ops.library_path())
