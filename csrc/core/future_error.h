@@ -114,7 +114,13 @@ class FutureError : public std::runtime_error {
   ErrorOrigin origin_;
 };
 
-// The detail of kNotReady, for every kind.
+// The details of kNoState and kFutureAlreadyRetrieved for a second get() / get_future(), and of
+// kNotReady, for every kind. Python and TorchScript name the methods in snake_case, C++ in
+// CamelCase: each message gives both where they differ.
+inline constexpr const char* kConsumedDetail =
+    "get() (C++: Get()) was already called on this future; a future yields its value once";
+inline constexpr const char* kFutureRetrievedDetail =
+    "get_future() (C++: GetFuture()) was already called on this promise; it has one future";
 inline constexpr const char* kNotReadyDetail =
     "value() (C++: Value()) reads a completed future; wait for it first (wait(), await, or a "
     "done callback; C++: Wait(), IsReady()), or use get() (C++: Get()), which blocks";

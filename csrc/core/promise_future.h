@@ -178,8 +178,7 @@ class MemoryPromise final : public PromiseBackend<T> {
   }
   std::unique_ptr<FutureBackend<T>> GetFuture() override {
     if (future_retrieved_.exchange(true)) {
-      throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
-                        "get_future() (C++: GetFuture()) was already called on this promise; it has one future");
+      throw FutureError(FutureErrc::kFutureAlreadyRetrieved, kFutureRetrievedDetail);
     }
     return std::make_unique<MemoryFuture<T>>(state_);
   }

@@ -56,7 +56,7 @@ class ReceivedFuture final : public FutureBackend<T> {
   T Get() override {
     WaitUntil(Deadline::max());
     std::lock_guard<std::mutex> lock(mu_);
-    if (taken_) throw FutureError(FutureErrc::kNoState, kTakenDetail);
+    if (taken_) throw FutureError(FutureErrc::kNoState, kConsumedDetail);
     taken_ = true;
     return ReceivedLocked().CopyOrThrow();
   }
@@ -89,9 +89,6 @@ class ReceivedFuture final : public FutureBackend<T> {
   void OnReady(std::function<void()> callback) override { source_->OnReady(std::move(callback)); }
 
  private:
-  static constexpr const char* kTakenDetail =
-      "get() (C++: Get()) was already called on this future; a future yields its value once";
-
   // The source's WaitUntil, or true if another thread received the completion meanwhile (the
   // source then says it was taken).
   bool SourceWaitUntil(Deadline deadline) const {
@@ -145,8 +142,7 @@ std::unique_ptr<FutureBackend<T>> FutureOfPair(const std::shared_ptr<Consumer>& 
                       "child");
   }
   if (!consumer->RetrieveFuture()) {
-    throw FutureError(FutureErrc::kFutureAlreadyRetrieved,
-                      "get_future() (C++: GetFuture()) was already called on this promise; it has one future");
+    throw FutureError(FutureErrc::kFutureAlreadyRetrieved, kFutureRetrievedDetail);
   }
   return std::make_unique<ReceivedFuture<T>>(consumer, std::move(codec));
 }

@@ -174,8 +174,7 @@ class SharedState {
 
   void ThrowIfRetrievedLocked() const {
     if (retrieved_) {
-      throw FutureError(FutureErrc::kNoState,
-                        "get() (C++: Get()) was already called on this future; a future yields its value once");
+      throw FutureError(FutureErrc::kNoState, kConsumedDetail);
     }
   }
 

@@ -392,13 +392,18 @@ py::object WaitFromArgs(const c10::intrusive_ptr<W>& self, const char* method,
 }
 
 
-// The handle a Python wrapper (dtorch_ops' future classes) holds in its `_h` slot.
+// What a Python wrapper (dtorch_ops' future classes) holds in its `_h` slot.
+py::object HandleObjectOf(py::handle wrapper) {
+  static PyObject* const name = PyUnicode_InternFromString("_h");
+  auto handle = py::reinterpret_steal<py::object>(PyObject_GetAttr(wrapper.ptr(), name));
+  if (!handle) throw py::error_already_set();
+  return handle;
+}
+
+// The handle of class W a Python wrapper holds.
 template <typename W>
 c10::intrusive_ptr<W> HandleOf(py::handle wrapper) {
-  static PyObject* const name = PyUnicode_InternFromString("_h");
-  const auto handle = py::reinterpret_steal<py::object>(PyObject_GetAttr(wrapper.ptr(), name));
-  if (!handle) throw py::error_already_set();
-  return c10::intrusive_ptr<W>::reclaim_copy(&handle.cast<W&>());
+  return c10::intrusive_ptr<W>::reclaim_copy(&HandleObjectOf(wrapper).cast<W&>());
 }
 
 // Calls fn with the wrapper's handle. An ObjectFuture's (W = VoidFuture) may be a TensorFuture's:
@@ -408,9 +413,7 @@ c10::intrusive_ptr<W> HandleOf(py::handle wrapper) {
 template <typename W, typename Fn>
 auto WithHandleOf(py::handle wrapper, Fn&& fn) {
   if constexpr (std::is_same_v<W, VoidFuture>) {
-    static PyObject* const name = PyUnicode_InternFromString("_h");
-    const auto handle = py::reinterpret_steal<py::object>(PyObject_GetAttr(wrapper.ptr(), name));
-    if (!handle) throw py::error_already_set();
+    const py::object handle = HandleObjectOf(wrapper);
     if (py::isinstance<TensorFuture>(handle)) {
       return fn(c10::intrusive_ptr<TensorFuture>::reclaim_copy(&handle.cast<TensorFuture&>()));
     }
